@@ -1,0 +1,25 @@
+"""The project's warning and exception types.
+
+Users filter our warnings (``warnings.filterwarnings("error", category=ShardScaleWarning)``)
+and catch our distributed failures without catching every ``RuntimeError`` torch raises, so both
+get types of their own.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ShardScaleDistributedError", "ShardScaleWarning"]
+
+
+class ShardScaleWarning(UserWarning):
+    """Something is wrong with the training run, but the scaler can carry on.
+
+    For example: an overflow at ``min_scale``, where backing off further is impossible.
+    """
+
+
+class ShardScaleDistributedError(RuntimeError):
+    """The ranks of the process group cannot agree.
+
+    For example, a rank never arrived at the agreement collective, or no rank had a gradient
+    to check. The message names the step, the process group's size and what was awaited.
+    """

@@ -1,0 +1,232 @@
+"""The dynamic loss-scale policy: how the scale moves after each step.
+
+The policy needs no process group: it maps (state, found_inf) to the next state, once as plain
+Python (:meth:`ScalePolicy.next`, the definition, used as the reference in tests) and once as
+device-side tensor maths (:meth:`ScalePolicy.update_`, used by the scaler: no host sync, no
+collective). Because every rank feeds it the same agreed ``found_inf``, every rank computes the
+same next scale.
+
+The algorithm, per ``update()`` (DeepSpeed's, the same as Megatron's up to how the hysteresis
+counter is kept; it reduces to torch's when ``hysteresis == 1`` and the scale stays within
+``[min_scale, max_scale]``)::
+
+    if found_inf:
+        growth_tracker = 0
+        if hysteresis_tracker > 1:                    # an overflow still tolerated
+            hysteresis_tracker -= 1
+        else:
+            scale = max(scale * backoff_factor, min_scale)
+    else:
+        growth_tracker += 1
+        if growth_tracker == growth_interval:
+            growth_tracker = 0
+            hysteresis_tracker = hysteresis           # replenished on growth
+            if isfinite(scale * growth_factor):       # torch's guard: never grow to inf
+                scale = min(scale * growth_factor, max_scale)
+
+The scale is float32; each product is taken in float64 and rounded once, as torch's
+``_amp_update_scale_`` does, so both agree bit for bit. With ``dynamic=False`` nothing changes.
+
+>>> policy = ScalePolicy(init_scale=8.0, growth_interval=2)
+>>> state = policy.initial_state()
+>>> for found_inf in (False, False, True):
+...     state = policy.next(state, found_inf)
+>>> state.scale
+8.0
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["ScalePolicy", "ScaleState"]
+
+
+def _f32(value: float) -> float:
+    """Round a Python float to float32, as the device's scale tensor does."""
+    return array("f", [value])[0]
+
+
+def _require_real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}: {value!r}")
+    return float(value)
+
+
+def _require_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleState:
+    """The policy's state between two steps, as host values."""
+
+    scale: float
+    """The current loss scale S."""
+    growth_tracker: int
+    """Consecutive clean steps since the last growth or overflow."""
+    hysteresis_tracker: int
+    """Overflows still tolerated before the scale backs off."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScalePolicy:
+    """Validated settings of the dynamic loss scale.
+
+    Raises:
+        TypeError: a setting has the wrong type.
+        ValueError: a setting is out of range; the message states the rule and the value.
+    """
+
+    init_scale: float = 2.0**16
+    """The scale of the first step. Finite, in ``[min_scale, max_scale]``."""
+    growth_factor: float = 2.0
+    """Multiplies the scale after ``growth_interval`` clean steps. Must be > 1."""
+    backoff_factor: float = 0.5
+    """Multiplies the scale when the tolerated overflows are used up. Must be in (0, 1)."""
+    growth_interval: int = 2000
+    """Consecutive clean steps before the scale grows. Must be >= 1."""
+    hysteresis: int = 1
+    """Overflows tolerated before backing off, replenished on growth (1: back off at once)."""
+    min_scale: float = 1.0
+    """The floor: the scale never backs off below it, so it can never reach 0. Must be > 0."""
+    max_scale: float = field(default=math.inf)
+    """The ceiling: growth stops here. ``inf`` means no ceiling."""
+    dynamic: bool = True
+    """False: the scale never changes (the bf16 guard); non-finite steps are still skipped."""
+
+    def __post_init__(self) -> None:
+        init_scale = _require_real("init_scale", self.init_scale)
+        growth_factor = _require_real("growth_factor", self.growth_factor)
+        backoff_factor = _require_real("backoff_factor", self.backoff_factor)
+        growth_interval = _require_int("growth_interval", self.growth_interval)
+        hysteresis = _require_int("hysteresis", self.hysteresis)
+        min_scale = _require_real("min_scale", self.min_scale)
+        max_scale = _require_real("max_scale", self.max_scale)
+        if not isinstance(self.dynamic, bool):
+            raise TypeError(
+                f"dynamic must be a bool, got {type(self.dynamic).__name__}: {self.dynamic!r}"
+            )
+        if not (math.isfinite(growth_factor) and growth_factor > 1.0):
+            raise ValueError(f"growth_factor must be a finite number > 1.0, got {growth_factor}")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor must be in (0.0, 1.0), got {backoff_factor}")
+        if growth_interval < 1:
+            raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
+        if hysteresis < 1:
+            raise ValueError(f"hysteresis must be >= 1, got {hysteresis}")
+        if not (math.isfinite(min_scale) and _f32(min_scale) > 0.0):
+            raise ValueError(
+                f"min_scale must be a finite number > 0 (representable in float32), got {min_scale}"
+            )
+        if math.isnan(max_scale) or max_scale < min_scale:
+            raise ValueError(
+                f"max_scale must be >= min_scale ({min_scale}) or inf, got {max_scale}"
+            )
+        self.check_scale("init_scale", init_scale)
+
+    def check_scale(self, name: str, scale: float) -> None:
+        """Raise ValueError unless ``scale`` is a value this policy can hold."""
+        if not math.isfinite(scale):
+            raise ValueError(f"{name} must be finite, got {scale}")
+        if not self.min_scale <= scale <= self.max_scale:
+            raise ValueError(
+                f"{name} must be in [min_scale, max_scale] = [{self.min_scale}, {self.max_scale}], "
+                f"got {scale} (pass a lower min_scale or a higher max_scale to allow it)"
+            )
+
+    def check_state(self, state: ScaleState) -> None:
+        """Raise ValueError unless ``state`` is reachable under this policy."""
+        self.check_scale("scale", state.scale)
+        if not 0 <= state.growth_tracker < self.growth_interval:
+            raise ValueError(
+                f"_growth_tracker must be in [0, growth_interval) = [0, {self.growth_interval}), "
+                f"got {state.growth_tracker}"
+            )
+        if not 1 <= state.hysteresis_tracker <= self.hysteresis:
+            raise ValueError(
+                f"_hysteresis_tracker must be in [1, hysteresis] = [1, {self.hysteresis}], "
+                f"got {state.hysteresis_tracker}"
+            )
+
+    def initial_state(self) -> ScaleState:
+        """The state before the first step."""
+        return ScaleState(
+            scale=_f32(self.init_scale), growth_tracker=0, hysteresis_tracker=self.hysteresis
+        )
+
+    def next(self, state: ScaleState, found_inf: bool) -> ScaleState:
+        """Return the state after one step; the definition of the policy (see the module)."""
+        if not self.dynamic:
+            return state
+        scale, growth, hysteresis = state.scale, state.growth_tracker, state.hysteresis_tracker
+        if found_inf:
+            growth = 0
+            if hysteresis > 1:
+                hysteresis -= 1
+            else:
+                scale = max(_f32(scale * self.backoff_factor), _f32(self.min_scale))
+        else:
+            growth += 1
+            if growth == self.growth_interval:
+                growth = 0
+                hysteresis = self.hysteresis
+                grown = _f32(scale * self.growth_factor)
+                if math.isfinite(grown):
+                    scale = min(grown, _f32(self.max_scale))
+        return ScaleState(scale=scale, growth_tracker=growth, hysteresis_tracker=hysteresis)
+
+    def update_(
+        self,
+        scale: torch.Tensor,
+        growth_tracker: torch.Tensor,
+        hysteresis_tracker: torch.Tensor,
+        found_inf: torch.Tensor,
+    ) -> None:
+        """Apply :meth:`next` in place to the device tensors, without a host sync.
+
+        Args:
+            scale: float32 scalar tensor.
+            growth_tracker: int32 scalar tensor on the same device.
+            hysteresis_tracker: int32 scalar tensor on the same device.
+            found_inf: scalar tensor, > 0 when the step overflowed on any rank.
+        """
+        if not self.dynamic:
+            return
+        if self.hysteresis == 1:
+            # The common case in two kernels: torch's own update, then the floor and ceiling.
+            torch._amp_update_scale_(
+                scale,
+                growth_tracker,
+                found_inf,
+                self.growth_factor,
+                self.backoff_factor,
+                self.growth_interval,
+            )
+            scale.clamp_(min=self.min_scale, max=self.max_scale)
+            return
+        found = found_inf > 0
+        clean = ~found
+        interval_done = clean & (growth_tracker + 1 >= self.growth_interval)
+        back_off = found & (hysteresis_tracker <= 1)
+        hysteresis_after = torch.where(
+            found & ~back_off,
+            hysteresis_tracker - 1,
+            torch.where(interval_done, self.hysteresis, hysteresis_tracker),
+        )
+        grown = (scale.double() * self.growth_factor).float()
+        grow = interval_done & grown.isfinite()
+        new_scale = torch.where(
+            back_off,
+            (scale.double() * self.backoff_factor).float().clamp_(min=self.min_scale),
+            torch.where(grow, grown.clamp_(max=self.max_scale), scale),
+        )
+        growth_tracker.copy_(torch.where(interval_done | found, 0, growth_tracker + 1))
+        hysteresis_tracker.copy_(hysteresis_after)
+        scale.copy_(new_scale)

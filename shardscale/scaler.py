@@ -1,0 +1,541 @@
+"""ShardedGradScaler: torch's loss-scaling protocol, with every rank of the group agreeing.
+
+Invariant: after ``step(optimizer)`` every rank of the process group has made the same skip/step
+decision for that optimizer, and after ``update()`` every rank holds the same scale, trackers and
+counters. That holds because each rank checks its own gradient shards and the ranks then share
+ONE flag tensor in ONE all-reduce per optimizer per step (``_agree``); everything after that
+(the skip decision, the policy maths) is a deterministic function of the agreed flag.
+
+The class orchestrates and stays thin: ``_grads`` finds the local gradients, ``_check`` checks
+and unscales them, ``_agree`` runs the collective, ``_policy`` moves the scale, ``_state`` reads
+and validates state dicts.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Any, overload
+
+import torch
+import torch.distributed as dist
+
+from shardscale._agree import Agreement
+from shardscale._check import check_and_unscale_
+from shardscale._devices import move
+from shardscale._errors import ShardScaleWarning
+from shardscale._grads import collect_local_grads, optimizer_params
+from shardscale._policy import ScalePolicy
+from shardscale._state import (
+    Counters,
+    DeviceState,
+    ScalerState,
+    parse_state_dict,
+    to_state_dict,
+)
+
+__all__ = ["ShardedGradScaler"]
+
+_STEPS, _SKIPPED, _CONSECUTIVE, _AT_FLOOR = range(4)
+_NO_SCALE = (
+    "Attempted {} but _scale is None.  This may indicate your script did not use "
+    "scaler.scale(loss or outputs) earlier in the iteration."
+)
+
+
+class _Stage(Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+@dataclass(slots=True)
+class _OptimizerRecord:
+    """Where one optimizer is in the current iteration, and its agreed overflow flag."""
+
+    stage: _Stage = _Stage.READY
+    found_inf: torch.Tensor | None = None
+
+
+def _device_type(device: str | torch.device | None) -> str | None:
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(
+            f"device must be a str, a torch.device or None, got {type(device).__name__}: {device!r}"
+        )
+    try:
+        return torch.device(device).type
+    except RuntimeError as error:
+        raise ValueError(f"device must name a torch device type, got {device!r}") from error
+
+
+class ShardedGradScaler:
+    """Loss scaler for sharded mixed-precision training whose ranks always agree.
+
+    A drop-in for ``torch.amp.GradScaler`` and
+    ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``, with the same methods,
+    call-order errors and state-dict keys. Each rank checks its local gradient shards (plain,
+    DDP, FSDP1 flat parameters, FSDP2/DTensor, CPU-offloaded, sparse) for inf/NaN, and the ranks
+    agree in one all-reduce per optimizer per step, so every rank skips or steps together. With
+    no initialised process group, or a world size of 1, it issues no collective and behaves like
+    ``torch.amp.GradScaler``.
+
+    Example::
+
+        scaler = ShardedGradScaler()
+        for inputs, targets in loader:
+            optimizer.zero_grad()
+            with torch.autocast(device_type, dtype=torch.float16):
+                loss = loss_fn(model(inputs), targets)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)          # skipped on every rank if any rank overflowed
+            scaler.update()
+            if scaler.last_step_skipped:
+                ...
+
+    Args:
+        device: device type of the loss (``"cuda"``, ``"cpu"``, ...). None (the default) takes
+            it from the first tensor passed to :meth:`scale`, so one script runs on CPU and GPU.
+            As torch does, ``"cuda"`` without CUDA warns and disables the scaler.
+        init_scale: the first step's scale. Default ``2.0**16``, or 1.0 when ``dynamic=False``.
+        growth_factor: multiplies the scale after ``growth_interval`` clean steps (> 1).
+        backoff_factor: multiplies the scale on an overflow (in (0, 1)).
+        growth_interval: consecutive clean steps before the scale grows (>= 1).
+        enabled: False makes every method a no-op and :meth:`step` a plain ``optimizer.step()``.
+        process_group: the ranks that must agree. None: the default (world) group.
+        hysteresis: overflows tolerated before backing off, replenished on growth (Megatron,
+            DeepSpeed). 1, the default, backs off at every overflow, as torch does.
+        min_scale: the floor (> 0), so the scale can never collapse to 0. An overflow at the
+            floor skips the step, holds the scale and warns once. Default 1.0.
+        max_scale: the ceiling for growth. None: no ceiling.
+        dynamic: False keeps the scale fixed (use ``init_scale=1.0`` as a bf16 guard): non-finite
+            steps are still skipped on every rank together.
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: an argument is out of range; the message states the rule and the value.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        *,
+        init_scale: float | None = None,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        hysteresis: int = 1,
+        min_scale: float = 1.0,
+        max_scale: float | None = None,
+        dynamic: bool = True,
+    ) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}: {enabled!r}")
+        if not isinstance(dynamic, bool):
+            raise TypeError(f"dynamic must be a bool, got {type(dynamic).__name__}: {dynamic!r}")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                "process_group must be a torch.distributed.ProcessGroup or None, got "
+                f"{type(process_group).__name__}"
+            )
+        device_type = _device_type(device)
+        policy = ScalePolicy(
+            init_scale=(2.0**16 if dynamic else 1.0) if init_scale is None else init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            min_scale=min_scale,
+            max_scale=float("inf") if max_scale is None else max_scale,
+            dynamic=dynamic,
+        )
+        if enabled and device_type == "cuda" and not torch.cuda.is_available():
+            warnings.warn(
+                "ShardedGradScaler(device='cuda') is enabled, but CUDA is not available. "
+                "Disabling (as torch.amp.GradScaler does); leave device unset to follow the loss.",
+                ShardScaleWarning,
+                stacklevel=2,
+            )
+            enabled = False
+        initial = ScalerState(policy=policy, scale=policy.initial_state(), counters=Counters())
+        self._setup(device_type, enabled, Agreement(process_group), initial)
+
+    def _setup(
+        self, device_type: str | None, enabled: bool, agreement: Agreement, initial: ScalerState
+    ) -> None:
+        self._device_type = device_type
+        self._enabled = enabled
+        self._agreement = agreement
+        # Host-side state until the first scale() puts it on the loss's device.
+        self._initial = initial
+        self._device_state: DeviceState | None = None
+        self._records: dict[int, _OptimizerRecord] = {}
+        self._last_found_inf: torch.Tensor | None = None
+        self._warned_at_floor = False
+
+    # ------------------------------------------------------------------ settings
+
+    @property
+    def policy(self) -> ScalePolicy:
+        """The current scale policy (growth, backoff, hysteresis, floor, ceiling)."""
+        return self._initial.policy
+
+    def _set_policy(self, **changes: Any) -> None:
+        self._initial = replace(self._initial, policy=replace(self._initial.policy, **changes))
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The group whose ranks agree (None: the default group)."""
+        return self._agreement.process_group
+
+    def is_enabled(self) -> bool:
+        """Return whether this scaler scales and checks (False: every method is a no-op)."""
+        return self._enabled
+
+    def get_growth_factor(self) -> float:
+        """Return the scale growth factor."""
+        return self.policy.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the scale growth factor (> 1)."""
+        self._set_policy(growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """Return the scale backoff factor."""
+        return self.policy.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the scale backoff factor (in (0, 1))."""
+        self._set_policy(backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        """Return the number of clean steps before the scale grows."""
+        return self.policy.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the number of clean steps before the scale grows (>= 1)."""
+        self._set_policy(growth_interval=new_interval)
+
+    # ------------------------------------------------------------------ the iteration
+
+    @overload
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def scale(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    @overload
+    def scale(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+
+    @overload
+    def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
+
+    def scale(self, outputs: torch.Tensor | Iterable[Any]) -> torch.Tensor | Iterable[Any]:
+        """Multiply a loss (or nested lists/tuples of them) by the current scale.
+
+        The result keeps each input's dtype. Other iterables are scaled lazily, as torch does.
+
+        Raises:
+            TypeError: an output is not a floating-point tensor.
+            ValueError: a tensor is on another device type than ``device`` named.
+        """
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            return self._scale_tensor(outputs)
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(self.scale(output) for output in outputs)
+        if isinstance(outputs, (str, bytes, Mapping)) or not isinstance(outputs, Iterable):
+            raise TypeError(
+                "scale() takes a Tensor or a (nested) list/tuple of Tensors, got "
+                f"{type(outputs).__name__}"
+            )
+        return map(self.scale, outputs)
+
+    def _scale_tensor(self, output: torch.Tensor) -> torch.Tensor:
+        if not output.is_floating_point():
+            raise TypeError(f"scale() takes floating-point tensors, got dtype {output.dtype}")
+        if self._device_type is not None and output.device.type != self._device_type:
+            raise ValueError(
+                f"scale() got a tensor on {output.device}, but this scaler was built with "
+                f"device={self._device_type!r}; pass the loss's device, or leave device unset"
+            )
+        if self._device_state is None:
+            # The scale lives where the first loss does.
+            self._device_state = DeviceState.create(self._initial, output.device)
+        return (output * move(self._device_state.scale, output.device)).to(output.dtype)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the scale in place, and agree on overflow.
+
+        Optional: :meth:`step` unscales by itself. Call it to clip or inspect unscaled
+        gradients between backward and :meth:`step`. Issues this step's one collective; no
+        host synchronisation.
+
+        Raises:
+            RuntimeError: called twice for this optimizer, or after :meth:`step`, before
+                :meth:`update`; or no rank holds a gradient for it.
+        """
+        if not self._enabled:
+            return
+        scale = self._require_state("unscale_").scale
+        record = self._record(optimizer)
+        if record.stage is _Stage.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        if record.stage is _Stage.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        # fp32 division can be imprecise under some compile options: take the reciprocal in fp64.
+        inv_scale = scale.double().reciprocal().float()
+        record.found_inf = self._check_and_agree(optimizer, inv_scale)
+        record.stage = _Stage.UNSCALED
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless done), then run ``optimizer.step()`` unless any rank overflowed.
+
+        Optimizers that take the scale themselves (``_step_supports_amp_scaling``: torch's
+        ``fused=True``) receive ``grad_scale`` and the agreed ``found_inf`` and skip on device,
+        with no host synchronisation; others cost one host synchronisation for the decision.
+
+        Returns:
+            What ``optimizer.step(*args, **kwargs)`` returns, or None when skipped.
+
+        Raises:
+            RuntimeError: a ``closure`` is passed, or step() already ran since :meth:`update`.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        scale = self._require_state("step").scale
+        record = self._record(optimizer)
+        if record.stage is _Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._step_on_device(optimizer, record, scale, args, kwargs)
+        if record.stage is _Stage.READY:
+            self.unscale_(optimizer)
+        assert record.found_inf is not None
+        self._last_found_inf = record.found_inf
+        skipped = bool(record.found_inf.item())  # the step's one host synchronisation
+        result = None if skipped else optimizer.step(*args, **kwargs)
+        record.stage = _Stage.STEPPED
+        return result
+
+    def _step_on_device(
+        self,
+        optimizer: torch.optim.Optimizer,
+        record: _OptimizerRecord,
+        scale: torch.Tensor,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Hand a fused/capturable optimizer the scale and the agreed flag; it skips itself."""
+        user_grad_scale = getattr(optimizer, "grad_scale", None)
+        if record.stage is _Stage.READY:
+            record.found_inf = self._check_and_agree(optimizer, inv_scale=None)
+            grad_scale = scale if user_grad_scale is None else scale * user_grad_scale
+        else:  # already unscaled by unscale_()
+            grad_scale = user_grad_scale
+        assert record.found_inf is not None
+        self._last_found_inf = record.found_inf
+        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+        optimizer.found_inf = record.found_inf  # type: ignore[attr-defined]
+        try:
+            result = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        record.stage = _Stage.STEPPED
+        return result
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Move the scale: back off if any optimizer skipped, grow after enough clean steps.
+
+        Device-side maths on the agreed flags: no collective, no host synchronisation.
+
+        Args:
+            new_scale: set the scale to this value instead: a float in
+                ``[min_scale, max_scale]``, or a one-element tensor without grad (taken as given:
+                checking its value would cost a host synchronisation).
+
+        Raises:
+            RuntimeError: no optimizer was stepped or unscaled since the last update().
+        """
+        if not self._enabled:
+            return
+        device_state = self._require_state("update")
+        scale = device_state.scale
+        found_infs = [r.found_inf for r in self._records.values() if r.found_inf is not None]
+        if new_scale is None and not found_infs:
+            raise RuntimeError("No inf checks were recorded prior to update.")
+        manual = None if new_scale is None else self._checked_new_scale(new_scale)
+        if found_infs:
+            found_inf = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).amax()
+            self._count_step(device_state, found_inf)
+            if manual is None:
+                self.policy.update_(
+                    scale, device_state.growth_tracker, device_state.hysteresis_tracker, found_inf
+                )
+        if manual is not None:
+            scale.copy_(manual)
+        self._records = {}
+        if scale.device.type == "cpu":  # reading the counter costs no device synchronisation
+            self._warn_if_overflowed_at_floor()
+
+    def _checked_new_scale(self, new_scale: float | torch.Tensor) -> torch.Tensor:
+        if isinstance(new_scale, torch.Tensor):
+            if new_scale.numel() != 1 or new_scale.requires_grad:
+                raise ValueError(
+                    "new_scale must be a float or a one-element tensor with requires_grad=False, "
+                    f"got shape {tuple(new_scale.shape)}, requires_grad={new_scale.requires_grad}"
+                )
+            return new_scale.detach().reshape(())
+        if isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)):
+            raise TypeError(
+                f"new_scale must be a float or a tensor, got {type(new_scale).__name__}"
+            )
+        self.policy.check_scale("new_scale", float(new_scale))
+        return torch.tensor(float(new_scale), dtype=torch.float32)
+
+    # ------------------------------------------------------------------ what happened
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the most recent :meth:`step` skipped the optimizer (on every rank).
+
+        Free after a non-fused step (its decision was already read); after a fused step,
+        reading it costs one host synchronisation on an accelerator.
+        """
+        if self._last_found_inf is None:
+            return False
+        return bool(self._last_found_inf.item())
+
+    def get_scale(self) -> float:
+        """Return the current scale (1.0 when disabled). Costs a host sync on an accelerator."""
+        if not self._enabled:
+            return 1.0
+        if self._device_state is None:
+            return self._initial.scale.scale
+        self._warn_if_overflowed_at_floor()
+        return float(self._device_state.scale.item())
+
+    @property
+    def _scale(self) -> torch.Tensor | None:
+        """The scale tensor, under torch's private name (frameworks read it)."""
+        return None if self._device_state is None else self._device_state.scale
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        """The scale tensor without a sync (torch's private accessor, used by frameworks)."""
+        return self._scale
+
+    def _get_growth_tracker(self) -> int:
+        return self._read_state().scale.growth_tracker if self._enabled else 0
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the state as Python numbers; empty when disabled, as torch's.
+
+        Torch's keys (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+        ``_growth_tracker``) keep their meaning, so ``torch.amp.GradScaler`` loads it; ours add
+        ``hysteresis``, ``_hysteresis_tracker``, ``min_scale``, ``max_scale``, ``dynamic``,
+        ``steps``, ``skipped_steps`` and ``consecutive_skips``. With ``state_dict`` and
+        :meth:`load_state_dict` the scaler is a ``torch.distributed.checkpoint`` Stateful.
+        """
+        if not self._enabled:
+            return {}
+        return to_state_dict(self._read_state())
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state dict of this class or of a torch scaler, whole or not at all.
+
+        A torch state dict keeps this scaler's hysteresis, floor and ceiling settings, starts a
+        full hysteresis allowance and zeroes the counters. No-op when disabled, as torch's.
+
+        Raises:
+            RuntimeError: the dict is empty (saved by a disabled scaler).
+            ValueError, TypeError: a key is missing or unknown, or a value breaks a rule; the
+                scaler is left unchanged.
+        """
+        if not self._enabled:
+            return
+        state = parse_state_dict(state_dict, self.policy)
+        self._initial = state
+        if self._device_state is not None:
+            self._device_state.write(state)
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._records:
+            raise RuntimeError(
+                "A GradScaler instance may only be pickled at the beginning "
+                "of an iteration, or at the end after scaler.update()."
+            )
+        if self.process_group is not None:
+            raise TypeError(
+                "a ShardedGradScaler bound to an explicit process_group cannot be pickled "
+                "(process groups cannot be); save state_dict() instead"
+            )
+        return {
+            "device_type": self._device_type,
+            "enabled": self._enabled,
+            "state": self._read_state() if self._enabled else self._initial,
+        }
+
+    def __setstate__(self, pickled: dict[str, Any]) -> None:
+        self._setup(pickled["device_type"], pickled["enabled"], Agreement(None), pickled["state"])
+
+    # ------------------------------------------------------------------ internals
+
+    def _require_state(self, funcname: str) -> DeviceState:
+        if self._device_state is None:
+            raise RuntimeError(_NO_SCALE.format(funcname))
+        return self._device_state
+
+    def _record(self, optimizer: torch.optim.Optimizer) -> _OptimizerRecord:
+        return self._records.setdefault(id(optimizer), _OptimizerRecord())
+
+    def _check_and_agree(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor | None
+    ) -> torch.Tensor:
+        device = self._require_state("step").scale.device
+        with torch.no_grad():
+            groups = collect_local_grads(optimizer_params(optimizer))
+            local_flags = check_and_unscale_(groups, inv_scale)
+        return self._agreement.agree(local_flags, device).found_inf
+
+    def _count_step(self, device_state: DeviceState, found_inf: torch.Tensor) -> None:
+        """Advance the step counters on the device, before the policy moves the scale."""
+        skipped = (found_inf > 0).long()
+        counters, scale = device_state.counters, device_state.scale
+        counters[_STEPS] += 1
+        counters[_SKIPPED] += skipped
+        counters[_CONSECUTIVE] = (counters[_CONSECUTIVE] + 1) * skipped
+        if self.policy.dynamic:  # a static scale sits wherever it was put, by design
+            counters[_AT_FLOOR] += skipped * (scale <= self.policy.min_scale)
+
+    def _warn_if_overflowed_at_floor(self) -> None:
+        if self._warned_at_floor or self._device_state is None:
+            return
+        counters = self._device_state.counters
+        if int(counters[_AT_FLOOR].item()) > 0:
+            self._warned_at_floor = True
+            warnings.warn(
+                f"gradients overflowed with the scale at min_scale={self.policy.min_scale} "
+                f"(by step {int(counters[_STEPS].item())}): the scale cannot back off "
+                "further, so such steps are skipped and the scale holds. Gradients that are "
+                "non-finite even at the floor usually mean a NaN/inf in the model or the loss.",
+                ShardScaleWarning,
+                stacklevel=3,
+            )
+
+    def _read_state(self) -> ScalerState:
+        if self._device_state is None:
+            return self._initial
+        return self._device_state.read(self.policy)
