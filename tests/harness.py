@@ -1,0 +1,132 @@
+"""Run a function on N real ranks (gloo by default), fast, and never hang.
+
+* Ranks are forked from a forkserver that has torch preloaded (~0.2 s per 2-rank run, against
+  2-5 s for plain spawn).
+* They meet on a ``FileStore`` in a fresh temporary folder: no ports, so runs side by side under
+  pytest-xdist never collide.
+* Each rank sends its result, or its traceback, to the parent *before* tearing the group down,
+  so the rank that really failed is the one reported.
+* The parent waits until a deadline, then kills every survivor and reports who never answered.
+
+Rank functions must be module-level (they are pickled by reference) and should return plain
+Python data (lists, numbers, dicts): use ``tensor.tolist()``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "shardscale"]
+_context = multiprocessing.get_context("forkserver")
+_context.set_forkserver_preload(_PRELOAD)
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised, or never answered before the deadline."""
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    store_path: str,
+    results: Any,
+    args: tuple[Any, ...],
+    group_timeout_s: float,
+    backend: str,
+) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop chatter
+    os.environ["RANK"] = str(rank)
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    try:
+        store = dist.FileStore(store_path, world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=group_timeout_s),
+        )
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    timeout_s: float = 90.0,
+    group_timeout_s: float = 30.0,
+    backend: str = "gloo",
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result.
+
+    ``backend="nccl"`` puts rank r on CUDA device r.
+
+    Raises:
+        RankFailure: with every failing rank's traceback, or the ranks that never answered.
+    """
+    results = _context.Queue()
+    with tempfile.TemporaryDirectory(prefix="shardscale-ranks-") as folder:
+        store_path = os.path.join(folder, "store")
+        processes = [
+            _context.Process(
+                target=_rank_main,
+                args=(fn, rank, world_size, store_path, results, args, group_timeout_s, backend),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        answers: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(answers) < world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                # Once a rank has failed, give the others a short grace period, then stop:
+                # a survivor may be blocked in a collective the failed rank will never join.
+                if any(not ok for ok, _ in answers.values()):
+                    remaining = min(remaining, 3.0)
+                try:
+                    rank, ok, payload = results.get(timeout=remaining)
+                except queue.Empty:
+                    if any(not ok for ok, _ in answers.values()):
+                        break
+                    continue
+                answers[rank] = (ok, payload)
+        finally:
+            for process in processes:
+                if process.is_alive():
+                    process.kill()
+            for process in processes:
+                process.join(timeout=10)
+    failures = [f"--- rank {r} raised:\n{p}" for r, (ok, p) in sorted(answers.items()) if not ok]
+    silent = [r for r in range(world_size) if r not in answers]
+    if failures or silent:
+        message = "\n".join(failures)
+        if silent:
+            message += f"\nranks {silent} never answered within {timeout_s} s (killed)"
+        raise RankFailure(message)
+    return [answers[rank][1] for rank in range(world_size)]

@@ -1,0 +1,90 @@
+"""The scaler as a torch.distributed.checkpoint Stateful: save, resume, change world size."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+
+from shardscale import ShardedGradScaler
+from tests.harness import run_ranks
+from tests.setups import build, plant
+
+
+def _rank_train_and_save(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    setup = build("fsdp2", "fused", world_size)
+    scaler = ShardedGradScaler(init_scale=2.0**6, growth_interval=2, hysteresis=2)
+    for step in range(5):
+        setup.optimizer.zero_grad()
+        scaler.scale(setup.loss(step, rank)).backward()
+        if step in (1, 2, 4) and rank == step % 2:
+            plant(setup.optimizer, math.inf)
+        scaler.step(setup.optimizer)
+        scaler.update()
+    dcp.save({"scaler": scaler}, checkpoint_id=folder)
+    return scaler.state_dict()
+
+
+def _rank_resume(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    scaler = ShardedGradScaler(init_scale=1.0, growth_interval=1000)  # other settings: overwritten
+    dcp.load({"scaler": scaler}, checkpoint_id=folder)
+    loaded = scaler.state_dict()
+    setup = build("fsdp2", "for-loop", world_size)
+    scaler.scale(setup.loss(0, rank)).backward()
+    scaler.step(setup.optimizer)
+    scaler.update()
+    return {"loaded": loaded, "after": scaler.state_dict()}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("checkpoint")
+    states = run_ranks(_rank_train_and_save, 2, str(folder))
+    assert states[0] == states[1]
+    assert states[0]["skipped_steps"] == 3
+    return folder, states[0]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_dcp_resume_at_any_world_size_restores_state_on_every_rank(
+    saved: tuple[Path, dict[str, Any]], world_size: int
+) -> None:
+    folder, state = saved
+    results = run_ranks(_rank_resume, world_size, str(folder))
+    for result in results:
+        assert result["loaded"] == state
+        assert result["after"] == results[0]["after"]
+        assert result["after"]["steps"] == state["steps"] + 1
+
+
+def _rank_torch_checkpoint_into_ours(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    theirs = torch.amp.GradScaler("cpu", init_scale=32.0, growth_interval=7)
+    theirs.scale(torch.tensor(1.0))
+    dcp.save({"scaler": theirs}, checkpoint_id=folder)
+    ours = ShardedGradScaler(hysteresis=3)
+    # A torch checkpoint lacks our keys: a partial load keeps our settings for them.
+    dcp.load(
+        {"scaler": ours}, checkpoint_id=folder, planner=DefaultLoadPlanner(allow_partial_load=True)
+    )
+    back = torch.amp.GradScaler("cpu")
+    dcp.save({"scaler": ours}, checkpoint_id=folder + "-ours")
+    dcp.load({"scaler": back}, checkpoint_id=folder + "-ours")
+    return {"ours": ours.state_dict(), "back": back.state_dict()}
+
+
+def test_dcp_torch_scaler_checkpoint_loads_both_ways(tmp_path: Path) -> None:
+    for result in run_ranks(_rank_torch_checkpoint_into_ours, 2, str(tmp_path / "torch")):
+        ours = result["ours"]
+        assert (ours["scale"], ours["growth_interval"], ours["hysteresis"]) == (32.0, 7, 3)
+        assert result["back"] == {
+            "scale": 32.0,
+            "growth_factor": 2.0,
+            "backoff_factor": 0.5,
+            "growth_interval": 7,
+            "_growth_tracker": 0,
+        }
