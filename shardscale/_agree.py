@@ -2,50 +2,35 @@
 
 Invariant: every rank of the group sees the same ``found_inf`` before ``optimizer.step()``.
 
-Each rank folds its per-device flags into one small float32 tensor on the group's communication
-device and the group runs ONE ``all_reduce(SUM)`` on it, however many devices and dtypes hold
-the gradients. The tensor's slots:
+Each rank folds its per-device flags into ONE float32 scalar on the group's communication
+device, and the group runs ONE ``all_reduce(MAX)`` on it, however many devices and dtypes hold
+the gradients. The scalar says what the rank saw:
 
-* ``OVERFLOW``: how many ranks found an inf/NaN in their shard;
-* ``HAS_GRADS``: how many ranks hold any gradient element (0 means nobody ran backward).
+* 0: no gradient element at all (an empty shard, or no backward on this rank);
+* 1: gradients, all finite;
+* 2: an inf or NaN in this rank's gradients.
 
-The agreed ``found_inf`` is the overflow count clamped to 1.0, on the scale's device. It must be
-exactly 0.0 or 1.0: torch's fused optimizers skip only when ``found_inf == 1.0``, so a summed flag
-of 2.0 (two ranks overflowed) would make them step with inf gradients.
+After the reduction, 0 means nobody ran backward (an error on every rank together); otherwise
+``found_inf = value - 1`` is exactly 0.0 or 1.0. Exactly: torch's fused optimizers skip
+only when ``found_inf == 1.0``, so a summed flag of 2.0 (two ranks overflowed) would make them
+step with inf gradients.
 
 Without an initialised process group, or with a world size of 1, no collective is issued.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
 from shardscale._devices import move
 
-__all__ = ["AgreedFlags", "Agreement"]
-
-OVERFLOW = 0
-HAS_GRADS = 1
-_NUM_SLOTS = 2
+__all__ = ["Agreement"]
 
 _NO_GRADS = (
     "No inf checks were recorded for this optimizer: none of its parameters has a gradient "
     "on any of the {world_size} rank(s). Call scaler.scale(loss).backward() before step()."
 )
-
-
-@dataclass(frozen=True, slots=True)
-class AgreedFlags:
-    """The outcome of one agreement, identical on every rank."""
-
-    found_inf: torch.Tensor
-    """float32 scalar on the scale's device: 1.0 if any rank overflowed, else 0.0."""
-    overflow_ranks: torch.Tensor | None
-    """float32 scalar on the communication device: how many ranks overflowed (None at world
-    size 1, where it equals ``found_inf``)."""
 
 
 def _device_of_type(device_type: str) -> torch.device:
@@ -77,6 +62,7 @@ class Agreement:
         self._requested = process_group
         self._group: dist.ProcessGroup | None = None
         self._world_size: int | None = None
+        self._comm_devices: dict[torch.device, torch.device] = {}
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
@@ -103,43 +89,52 @@ class Agreement:
 
         With NCCL and CPU-offloaded gradients, that is the current CUDA device.
         """
-        if self.world_size == 1:
-            return preferred
-        assert self._group is not None  # set by world_size
-        device_types = _group_device_types(self._group)
-        if preferred.type in device_types:
-            return preferred
-        return _device_of_type(device_types[0])
+        comm = self._comm_devices.get(preferred)
+        if comm is None:
+            comm = preferred
+            if self.world_size > 1:
+                assert self._group is not None  # set by world_size
+                device_types = _group_device_types(self._group)
+                if preferred.type not in device_types:
+                    comm = _device_of_type(device_types[0])
+            self._comm_devices[preferred] = comm
+        return comm
 
-    def agree(self, local_flags: list[torch.Tensor], device: torch.device) -> AgreedFlags:
+    def agree(
+        self, local_flags: list[torch.Tensor], holds_grads: bool, device: torch.device
+    ) -> torch.Tensor:
         """Combine this rank's per-device flags with every other rank's, in one collective.
 
         Args:
             local_flags: float32 scalar flags from the local check, one per device holding
-                gradients; empty when this rank holds no gradient elements.
+                gradients (the caller's own tensors: they may be modified).
+            holds_grads: whether this rank holds any gradient element.
             device: the scale's device, where the agreed ``found_inf`` is returned.
+
+        Returns:
+            ``found_inf``: a float32 scalar on ``device``, 1.0 if any rank overflowed, else 0.0.
 
         Raises:
             RuntimeError: no rank holds any gradient (every rank raises together).
         """
         world_size = self.world_size
         if world_size == 1:
-            if not local_flags:
+            if not holds_grads:
                 raise RuntimeError(_NO_GRADS.format(world_size=1))
-            return AgreedFlags(found_inf=self._local_max(local_flags, device), overflow_ranks=None)
+            return self._local_max(local_flags, device)
 
         comm = self.comm_device(device)
-        flags = torch.zeros(_NUM_SLOTS, dtype=torch.float32, device=comm)
-        if local_flags:
-            flags[OVERFLOW].copy_(self._local_max(local_flags, comm))
-            flags[HAS_GRADS].fill_(1.0)
-        dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self._group)
-        # A rank with no gradient elements learns whether anybody had some; the others need not
-        # ask, which keeps the host sync off their path.
-        if not local_flags and flags[HAS_GRADS].item() == 0:
+        if holds_grads:
+            flag = self._local_max(local_flags, comm).add_(1.0)
+        else:
+            flag = torch.zeros((), dtype=torch.float32, device=comm)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        # Only a rank with nothing to check asks whether anybody had something: the host sync
+        # stays off the path of the ranks that hold gradients.
+        if not holds_grads and flag.item() == 0.0:
             raise RuntimeError(_NO_GRADS.format(world_size=world_size))
-        found_inf = move(flags[OVERFLOW].clamp(max=1.0), device)
-        return AgreedFlags(found_inf=found_inf, overflow_ranks=flags[OVERFLOW])
+        # Some rank held gradients, so the maximum is 1 or 2: found_inf is exactly 0.0 or 1.0.
+        return move(flag.sub_(1.0), device)
 
     @staticmethod
     def _local_max(local_flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:

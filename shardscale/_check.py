@@ -26,7 +26,7 @@ def check_and_unscale_(groups: GradGroups, inv_scale: torch.Tensor | None) -> li
 
     Returns:
         One float32 scalar flag per device holding gradients: 1.0 where any element was
-        non-finite, else 0.0. Empty when this rank holds no gradient elements.
+        non-finite, else 0.0. The flags are new tensors, the caller's to modify.
     """
     flags: dict[torch.device, torch.Tensor] = {}
     factors: dict[torch.device, torch.Tensor] = {}

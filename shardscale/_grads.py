@@ -3,8 +3,8 @@
 Whatever the parallelism, the local gradient an optimizer sees is one of: a plain tensor (single
 process, DDP, FSDP1 flat parameters and their ``use_orig_params`` views), a DTensor (FSDP2, HSDP,
 tensor parallel: we take its local shard and never rely on DTensor's own reductions), or a sparse
-tensor (we check its coalesced values). Shards with no elements are dropped here; the rank still
-joins the agreement collective, which is what keeps ranks with empty shards from hanging.
+tensor (we check its coalesced values). A rank whose shards are all empty still joins the
+agreement collective, which is what keeps ranks with empty shards from hanging.
 
 The tensors returned alias the gradients: unscaling them in place unscales the gradients, with no
 copy. The one exception is an uncoalesced sparse gradient, which is replaced by its coalesced form
@@ -13,13 +13,14 @@ copy. The one exception is an uncoalesced sparse gradient, which is replaced by 
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-__all__ = ["GradGroups", "collect_local_grads"]
+__all__ = ["GradGroups", "collect_local_grads", "holds_elements", "optimizer_params"]
 
 GradGroups = dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
 """Local gradient tensors keyed by (device, dtype): one fused kernel call per key."""
@@ -40,35 +41,43 @@ def _coalesced_(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return coalesced
 
 
-def _local_values(param: torch.Tensor) -> torch.Tensor | None:
-    grad = param.grad
-    if grad is None:
-        return None
-    if isinstance(grad, DTensor):
-        grad = grad.to_local()
-    if grad.is_sparse:
-        grad = _coalesced_(param, grad)._values()
-    return grad
-
-
 def collect_local_grads(params: Iterable[torch.Tensor]) -> GradGroups:
-    """Group this rank's non-empty local gradient tensors of ``params`` by (device, dtype).
+    """Group this rank's local gradient tensors of ``params`` by (device, dtype).
+
+    Empty shards stay in their group (the kernel passes over them); whether this rank holds any
+    gradient element at all is :func:`holds_elements`'s question.
 
     Raises:
         TypeError: a gradient is not floating point (it could not hold an inf or a NaN).
     """
-    groups: GradGroups = defaultdict(list)
+    local: list[torch.Tensor | None] = []
     for param in params:
-        values = _local_values(param)
-        if values is None or values.numel() == 0:
+        grad = param.grad
+        if grad is None:
             continue
-        if not values.is_floating_point():
+        if isinstance(grad, DTensor):
+            # What to_local() returns under no_grad, without its Python overhead: this loop runs
+            # once per parameter per step, and hundreds of parameters are common.
+            grad = grad._local_tensor
+        if grad.is_sparse:
+            grad = _coalesced_(param, grad)._values()
+        local.append(grad)
+    groups: GradGroups = {}
+    if not local:  # a rank that ran no backward; the grouping helper rejects empty input
+        return groups
+    grouped = _group_tensors_by_device_and_dtype([local], with_indices=False)  # C++, one pass
+    for (device, dtype), (tensor_lists, _) in grouped.items():
+        if not dtype.is_floating_point:
             raise TypeError(
-                f"gradients must be floating point to be checked for inf/NaN, got {values.dtype} "
-                f"for a parameter of shape {tuple(param.shape)}"
+                f"gradients must be floating point to be checked for inf/NaN, got {dtype}"
             )
-        groups[(values.device, values.dtype)].append(values)
-    return dict(groups)
+        groups[(device, dtype)] = cast(list[torch.Tensor], tensor_lists[0])  # no None was given
+    return groups
+
+
+def holds_elements(groups: GradGroups) -> bool:
+    """Whether any gradient in ``groups`` has an element (empty shards do not count)."""
+    return any(grad.numel() > 0 for grads in groups.values() for grad in grads)
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:

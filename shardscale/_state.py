@@ -16,6 +16,7 @@ stores one copy and loads it at any world size.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -76,8 +77,7 @@ class DeviceState:
     hysteresis_tracker: torch.Tensor
     """int32 scalar."""
     counters: torch.Tensor
-    """int64 ``[steps, skipped_steps, consecutive_skips, overflows_at_min_scale]``; the last is
-    not checkpointed (it only drives a once-per-run warning)."""
+    """float64 ``[steps, skipped_steps, consecutive_skips]`` (exact to 2**53 steps)."""
 
     @classmethod
     def create(cls, state: ScalerState, device: torch.device) -> DeviceState:
@@ -86,7 +86,7 @@ class DeviceState:
             scale=torch.empty((), dtype=torch.float32, device=device),
             growth_tracker=torch.empty((), dtype=torch.int32, device=device),
             hysteresis_tracker=torch.empty((), dtype=torch.int32, device=device),
-            counters=torch.zeros(4, dtype=torch.int64, device=device),
+            counters=torch.zeros(3, dtype=torch.float64, device=device),
         )
         device_state.write(state)
         return device_state
@@ -97,12 +97,24 @@ class DeviceState:
         self.growth_tracker.fill_(state.scale.growth_tracker)
         self.hysteresis_tracker.fill_(state.scale.hysteresis_tracker)
         counters = state.counters
-        values = (counters.steps, counters.skipped_steps, counters.consecutive_skips, 0)
-        self.counters.copy_(torch.tensor(values, dtype=torch.int64))
+        values = (counters.steps, counters.skipped_steps, counters.consecutive_skips)
+        self.counters.copy_(torch.tensor(values, dtype=torch.float64))
+
+    def count_step_(self, found_inf: torch.Tensor) -> None:
+        """Count one step, skipped if ``found_inf`` (exactly 0.0 or 1.0), without a host sync.
+
+        Counted on the device, not the host, so the counts stay right when step+update is
+        replayed from a CUDA graph. In four tiny kernels: with s = found_inf,
+        ``counters = counters * [1, 1, s] + [1, s, s]``.
+        """
+        keep, on_skip_keep, base, on_skip_add = _count_constants(self.counters.device)
+        multiplier = torch.addcmul(keep, found_inf, on_skip_keep)  # [1, 1, s]
+        increment = torch.addcmul(base, found_inf, on_skip_add)  # [1, s, s]
+        self.counters.mul_(multiplier).add_(increment)
 
     def read(self, policy: ScalePolicy) -> ScalerState:
         """The state as host values (a host synchronisation on an accelerator)."""
-        steps, skipped, consecutive, _ = (int(v) for v in self.counters.tolist())
+        steps, skipped, consecutive = (int(v) for v in self.counters.tolist())
         return ScalerState(
             policy=policy,
             scale=ScaleState(
@@ -112,6 +124,13 @@ class DeviceState:
             ),
             counters=Counters(steps=steps, skipped_steps=skipped, consecutive_skips=consecutive),
         )
+
+
+@functools.cache
+def _count_constants(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The constant vectors of ``DeviceState.count_step_``, made once per device."""
+    rows = ([1, 1, 0], [0, 0, 1], [1, 0, 0], [0, 1, 1])
+    return tuple(torch.tensor(row, dtype=torch.float64, device=device) for row in rows)
 
 
 def to_state_dict(state: ScalerState) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from shardscale._agree import Agreement
 from shardscale._check import check_and_unscale_
 from shardscale._devices import move
 from shardscale._errors import ShardScaleWarning
-from shardscale._grads import collect_local_grads, optimizer_params
+from shardscale._grads import collect_local_grads, holds_elements, optimizer_params
 from shardscale._policy import ScalePolicy
 from shardscale._state import (
     Counters,
@@ -38,7 +38,6 @@ from shardscale._state import (
 
 __all__ = ["ShardedGradScaler"]
 
-_STEPS, _SKIPPED, _CONSECUTIVE, _AT_FLOOR = range(4)
 _NO_SCALE = (
     "Attempted {} but _scale is None.  This may indicate your script did not use "
     "scaler.scale(loss or outputs) earlier in the iteration."
@@ -108,8 +107,8 @@ class ShardedGradScaler:
         process_group: the ranks that must agree. None: the default (world) group.
         hysteresis: overflows tolerated before backing off, replenished on growth (Megatron,
             DeepSpeed). 1, the default, backs off at every overflow, as torch does.
-        min_scale: the floor (> 0), so the scale can never collapse to 0. An overflow at the
-            floor skips the step, holds the scale and warns once. Default 1.0.
+        min_scale: the floor (> 0), so the scale can never collapse to 0. Reaching it warns
+            once; steps that overflow there are skipped and the scale holds. Default 1.0.
         max_scale: the ceiling for growth. None: no ceiling.
         dynamic: False keeps the scale fixed (use ``init_scale=1.0`` as a bf16 guard): non-finite
             steps are still skipped on every rank together.
@@ -378,7 +377,7 @@ class ShardedGradScaler:
         manual = None if new_scale is None else self._checked_new_scale(new_scale)
         if found_infs:
             found_inf = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).amax()
-            self._count_step(device_state, found_inf)
+            device_state.count_step_(found_inf)
             if manual is None:
                 self.policy.update_(
                     scale, device_state.growth_tracker, device_state.hysteresis_tracker, found_inf
@@ -386,8 +385,8 @@ class ShardedGradScaler:
         if manual is not None:
             scale.copy_(manual)
         self._records = {}
-        if scale.device.type == "cpu":  # reading the counter costs no device synchronisation
-            self._warn_if_overflowed_at_floor()
+        if scale.device.type == "cpu":  # reading the state costs no device synchronisation
+            self._warn_if_at_floor()
 
     def _checked_new_scale(self, new_scale: float | torch.Tensor) -> torch.Tensor:
         if isinstance(new_scale, torch.Tensor):
@@ -423,7 +422,7 @@ class ShardedGradScaler:
             return 1.0
         if self._device_state is None:
             return self._initial.scale.scale
-        self._warn_if_overflowed_at_floor()
+        self._warn_if_at_floor()
         return float(self._device_state.scale.item())
 
     @property
@@ -508,29 +507,20 @@ class ShardedGradScaler:
         with torch.no_grad():
             groups = collect_local_grads(optimizer_params(optimizer))
             local_flags = check_and_unscale_(groups, inv_scale)
-        return self._agreement.agree(local_flags, device).found_inf
+        return self._agreement.agree(local_flags, holds_elements(groups), device)
 
-    def _count_step(self, device_state: DeviceState, found_inf: torch.Tensor) -> None:
-        """Advance the step counters on the device, before the policy moves the scale."""
-        skipped = (found_inf > 0).long()
-        counters, scale = device_state.counters, device_state.scale
-        counters[_STEPS] += 1
-        counters[_SKIPPED] += skipped
-        counters[_CONSECUTIVE] = (counters[_CONSECUTIVE] + 1) * skipped
-        if self.policy.dynamic:  # a static scale sits wherever it was put, by design
-            counters[_AT_FLOOR] += skipped * (scale <= self.policy.min_scale)
-
-    def _warn_if_overflowed_at_floor(self) -> None:
-        if self._warned_at_floor or self._device_state is None:
+    def _warn_if_at_floor(self) -> None:
+        """Warn, once, when the scale has backed off to ``min_scale`` and cannot go lower."""
+        if self._warned_at_floor or self._device_state is None or not self.policy.dynamic:
             return
-        counters = self._device_state.counters
-        if int(counters[_AT_FLOOR].item()) > 0:
+        device_state = self._device_state
+        if device_state.scale.item() <= self.policy.min_scale and device_state.counters[1] > 0:
             self._warned_at_floor = True
             warnings.warn(
-                f"gradients overflowed with the scale at min_scale={self.policy.min_scale} "
-                f"(by step {int(counters[_STEPS].item())}): the scale cannot back off "
-                "further, so such steps are skipped and the scale holds. Gradients that are "
-                "non-finite even at the floor usually mean a NaN/inf in the model or the loss.",
+                f"the loss scale has backed off to min_scale={self.policy.min_scale} (by step "
+                f"{int(device_state.counters[0].item())}) and cannot go lower: steps that still "
+                "overflow are skipped and the scale holds. Gradients that are non-finite even "
+                "at this scale usually mean a NaN/inf in the model or the loss.",
                 ShardScaleWarning,
                 stacklevel=3,
             )
