@@ -1,0 +1,63 @@
+"""Show ranks diverging under torch's ShardedGradScaler, and agreeing under shardscale's.
+
+Two replicas of one model, a fused AdamW, and an inf in rank 1's gradients only. torch's
+``ShardedGradScaler`` reduces ``found_inf`` in ``unscale_()``, which the fused path of ``step()``
+never calls: rank 1 skips, rank 0 steps, and their scales and weights part ways.
+
+    torchrun --standalone --nproc-per-node 2 launch/divergence.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchShardedGradScaler
+
+from shardscale import ShardedGradScaler
+
+
+def _one_step(scaler: Any) -> tuple[float, str]:
+    """One fused-AdamW step with an inf in rank 1's gradient; return (scale, weight digest)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    scaler.scale(model(torch.ones(2, 8)).sum()).backward()
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            model.weight.grad[0, 0] = math.inf
+    scaler.step(optimizer)
+    scaler.update()
+    digest = hashlib.sha256(model.weight.detach().numpy().tobytes()).hexdigest()[:12]
+    return scaler.get_scale(), digest
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    scalers = {
+        "torch ShardedGradScaler": lambda: TorchShardedGradScaler("cpu", init_scale=4.0),
+        "shardscale.ShardedGradScaler": lambda: ShardedGradScaler(init_scale=4.0),
+    }
+    all_agree = True
+    for name, make in scalers.items():
+        outcome = _one_step(make())
+        outcomes: list[Any] = [None] * world_size
+        dist.all_gather_object(outcomes, outcome)
+        agree = len(set(outcomes)) == 1
+        all_agree &= agree if name.startswith("shardscale") else True
+        if rank == 0:
+            print(f"{name}: {'ranks AGREE' if agree else 'ranks DIVERGED'}")
+            for other, (scale, digest) in enumerate(outcomes):
+                print(f"  rank {other}: scale {scale:g}, weights {digest}")
+    dist.destroy_process_group()
+    if not all_agree:
+        raise SystemExit("shardscale's ranks disagreed: please report this")
+
+
+if __name__ == "__main__":
+    main()
