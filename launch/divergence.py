@@ -32,7 +32,8 @@ def _one_step(scaler: Any) -> tuple[float, str]:
             model.weight.grad[0, 0] = math.inf
     scaler.step(optimizer)
     scaler.update()
-    digest = hashlib.sha256(model.weight.detach().numpy().tobytes()).hexdigest()[:12]
+    weight_bytes = bytes(model.weight.detach().view(torch.uint8).reshape(-1).tolist())
+    digest = hashlib.sha256(weight_bytes).hexdigest()[:12]
     return scaler.get_scale(), digest
 
 

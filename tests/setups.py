@@ -186,7 +186,7 @@ def local_checksum(model: nn.Module) -> str:
     digest = hashlib.sha256()
     for param in model.parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
-        digest.update(local.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(bytes(local.detach().contiguous().view(torch.uint8).reshape(-1).tolist()))
     return digest.hexdigest()
 
 
