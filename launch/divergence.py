@@ -21,8 +21,8 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as Torc
 from shardscale import ShardedGradScaler
 
 
-def _one_step(scaler: Any) -> tuple[float, str]:
-    """One fused-AdamW step with an inf in rank 1's gradient; return (scale, weight digest)."""
+def _one_step(scaler: Any) -> torch.Tensor:
+    """One fused-AdamW step with an inf in rank 1's gradient; return [scale, *weights]."""
     torch.manual_seed(0)
     model = nn.Linear(8, 8)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
@@ -32,9 +32,7 @@ def _one_step(scaler: Any) -> tuple[float, str]:
             model.weight.grad[0, 0] = math.inf
     scaler.step(optimizer)
     scaler.update()
-    weight_bytes = bytes(model.weight.detach().view(torch.uint8).reshape(-1).tolist())
-    digest = hashlib.sha256(weight_bytes).hexdigest()[:12]
-    return scaler.get_scale(), digest
+    return torch.cat((torch.tensor([scaler.get_scale()]), model.weight.detach().reshape(-1)))
 
 
 def main() -> None:
@@ -44,19 +42,22 @@ def main() -> None:
         "torch ShardedGradScaler": lambda: TorchShardedGradScaler("cpu", init_scale=4.0),
         "shardscale.ShardedGradScaler": lambda: ShardedGradScaler(init_scale=4.0),
     }
-    all_agree = True
+    ours_agree = True
     for name, make in scalers.items():
         outcome = _one_step(make())
-        outcomes: list[Any] = [None] * world_size
-        dist.all_gather_object(outcomes, outcome)
-        agree = len(set(outcomes)) == 1
-        all_agree &= agree if name.startswith("shardscale") else True
+        outcomes = [torch.empty_like(outcome) for _ in range(world_size)]
+        dist.all_gather(outcomes, outcome)
+        agree = all(torch.equal(outcomes[0], other) for other in outcomes)
+        if name.startswith("shardscale"):
+            ours_agree = agree
         if rank == 0:
             print(f"{name}: {'ranks AGREE' if agree else 'ranks DIVERGED'}")
-            for other, (scale, digest) in enumerate(outcomes):
-                print(f"  rank {other}: scale {scale:g}, weights {digest}")
+            for other, gathered in enumerate(outcomes):
+                weights = bytes(gathered[1:].view(torch.uint8).tolist())
+                digest = hashlib.sha256(weights).hexdigest()[:12]
+                print(f"  rank {other}: scale {gathered[0].item():g}, weights {digest}")
     dist.destroy_process_group()
-    if not all_agree:
+    if not ours_agree:
         raise SystemExit("shardscale's ranks disagreed: please report this")
 
 
