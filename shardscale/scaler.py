@@ -174,7 +174,8 @@ class ShardedGradScaler:
         self._initial = initial
         self._device_state: DeviceState | None = None
         self._records: dict[int, _OptimizerRecord] = {}
-        self._last_found_inf: torch.Tensor | None = None
+        # The last step()'s decision: a bool where the host already read it, else the device flag.
+        self._last_skip: bool | torch.Tensor = False
         self._warned_at_floor = False
 
     # ------------------------------------------------------------------ settings
@@ -321,8 +322,8 @@ class ShardedGradScaler:
         if record.stage is _Stage.READY:
             self.unscale_(optimizer)
         assert record.found_inf is not None
-        self._last_found_inf = record.found_inf
         skipped = bool(record.found_inf.item())  # the step's one host synchronisation
+        self._last_skip = skipped
         result = None if skipped else optimizer.step(*args, **kwargs)
         record.stage = _Stage.STEPPED
         return result
@@ -343,7 +344,7 @@ class ShardedGradScaler:
         else:  # already unscaled by unscale_()
             grad_scale = user_grad_scale
         assert record.found_inf is not None
-        self._last_found_inf = record.found_inf
+        self._last_skip = record.found_inf
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = record.found_inf  # type: ignore[attr-defined]
         try:
@@ -412,9 +413,10 @@ class ShardedGradScaler:
         Free after a non-fused step (its decision was already read); after a fused step,
         reading it costs one host synchronisation on an accelerator.
         """
-        if self._last_found_inf is None:
-            return False
-        return bool(self._last_found_inf.item())
+        if isinstance(self._last_skip, torch.Tensor):
+            # Read each time, never cached: a CUDA-graph replay updates this very tensor.
+            return bool(self._last_skip.item())
+        return self._last_skip
 
     def get_scale(self) -> float:
         """Return the current scale (1.0 when disabled). Costs a host sync on an accelerator."""

@@ -157,6 +157,20 @@ def build(kind: str, flavour: str, world_size: int, lr: float = 0.05) -> Setup:
     return Setup(model=model, optimizer=optimizer, kind=kind)
 
 
+def step_and_report(scaler: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Run step+update; report whether it skipped, the new scale and the collectives it cost."""
+    from shardscale import count_collectives
+
+    with count_collectives() as counts:
+        scaler.step(optimizer)
+        scaler.update()
+    return {
+        "skipped": scaler.last_step_skipped,
+        "scale": scaler.get_scale(),
+        "collectives": sum(counts.values()),
+    }
+
+
 def local_grad_values(param: torch.Tensor) -> torch.Tensor | None:
     """The gradient elements this rank holds for ``param`` (None if it holds none)."""
     grad = param.grad

@@ -12,7 +12,7 @@ from torch import nn
 
 from shardscale import ShardedGradScaler, count_collectives
 from tests.harness import RankFailure, run_ranks
-from tests.setups import build, full_params, mlp, plant
+from tests.setups import build, full_params, mlp, plant, step_and_report
 
 STEPS = 6
 INF_STEP = 3
@@ -67,14 +67,7 @@ def _rank_without_gradients_joins(rank: int, world_size: int) -> dict[str, Any]:
     if rank == 0:
         loss.backward()
         plant(optimizer, math.inf)
-    with count_collectives() as counts:
-        scaler.step(optimizer)
-        scaler.update()
-    return {
-        "skipped": scaler.last_step_skipped,
-        "scale": scaler.get_scale(),
-        "collectives": sum(counts.values()),
-    }
+    return step_and_report(scaler, optimizer)
 
 
 def test_rank_without_gradients_still_joins_and_skips() -> None:

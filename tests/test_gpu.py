@@ -17,7 +17,7 @@ from torch import nn
 
 from shardscale import ShardedGradScaler, count_collectives
 from tests.harness import run_ranks
-from tests.setups import plant
+from tests.setups import plant, step_and_report
 
 pytestmark = pytest.mark.gpu
 
@@ -183,14 +183,7 @@ def _rank_nccl_agreement(rank: int, world_size: int) -> dict[str, Any]:
     scaler.scale(model(torch.randn(2, 16, device="cuda")).sum()).backward()
     if rank == 1:
         plant(optimizer, math.inf)
-    with count_collectives() as counts:
-        scaler.step(optimizer)
-        scaler.update()
-    return {
-        "skipped": scaler.last_step_skipped,
-        "scale": scaler.get_scale(),
-        "collectives": sum(counts.values()),
-    }
+    return step_and_report(scaler, optimizer)
 
 
 @pytest.mark.nccl
