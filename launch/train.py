@@ -1,0 +1,486 @@
+"""The example job: a small GPT-style language model trained in fp16 with shardscale.
+
+    torchrun --standalone --nproc-per-node 2 launch/train.py            # 2 CPU ranks (gloo)
+    bash launch/run.sh --steps 200 --plot runs/train.png                # the same, via the launcher
+
+It trains on the standard library's docstrings (no download), under FSDP2 by default (or FSDP1,
+DDP, or one process), in fp16 with ``shardscale.ShardedGradScaler`` (bf16 and fp32 use its static
+guard: scale 1, non-finite steps still skipped on every rank together). NCCL and the local GPU
+are used when CUDA is there, gloo and the CPU otherwise: the script is the same.
+
+Sharded checkpoints (``--checkpoint-dir``, ``--checkpoint-every``, ``--resume``) hold the model,
+optimizer, scaler, step, data position and RNG state; a resumed run continues bit for bit, and
+may resume at another world size. ``--inject-inf-every K --inject-rank R`` plants an inf in one
+element of rank R's gradient shard every K steps, to show every rank skip together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import checkpointing
+import torch
+import torch.distributed as dist
+from lm_data import Batches, build_corpus
+from lm_model import GPT, Block, GPTConfig, lm_loss
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from shardscale import ShardedGradScaler
+
+_COMPUTE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Train a small GPT in mixed precision with shardscale.ShardedGradScaler.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--steps", type=int, default=100, help="total optimizer steps (a resumed run counts on)")
+    add("--parallel", choices=("fsdp2", "fsdp1", "ddp", "none"), default="fsdp2")
+    add("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
+    add("--no-loss-scaling", action="store_true", help="fp16 without a scaler (for comparison)")
+    add("--batch-size", type=int, default=16, help="sequences per rank per step")
+    add("--seq-len", type=int, default=64)
+    add("--d-model", type=int, default=64, help="small by default: fp16 matmuls are slow on CPUs")
+    add("--layers", type=int, default=2)
+    add("--heads", type=int, default=4)
+    add("--lr", type=float, default=2e-3)
+    add(
+        "--loss-divisor",
+        type=float,
+        default=1.0,
+        help="divide the loss by D, as when averaging over D times more tokens (large batches, "
+        "gradient accumulation); AdamW's eps is divided too, so fp32 training is unchanged",
+    )
+    add("--init-scale", type=float, default=2.0**16)
+    add("--growth-interval", type=int, default=100)
+    add("--seed", type=int, default=0)
+    add("--checkpoint-dir", type=Path, help="where sharded checkpoints go")
+    add("--checkpoint-every", type=int, default=0, help="save every K steps (0: only at the end)")
+    add("--resume", action="store_true", help="continue from the newest checkpoint")
+    add("--exit-after", type=int, help="stop after this step, as if interrupted")
+    add("--inject-inf-every", type=int, default=0, help="plant an inf every K steps (0: never)")
+    add("--inject-rank", type=int, default=0, help="the rank whose gradient gets the inf")
+    add("--eval-batches", type=int, default=8, help="held-out batches for the final eval loss")
+    add(
+        "--track-underflow",
+        action="store_true",
+        help="record the fraction of gradient elements that are exactly zero, per step",
+    )
+    add("--log-every", type=int, default=10, help="progress lines when not on a terminal")
+    add("--summary-json", type=Path, help="write the run's summary here (rank 0)")
+    add("--plot", type=Path, help="write a PNG of loss and scale against step (rank 0)")
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    return args
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("steps", "batch_size", "seq_len", "d_model", "layers", "heads", "log_every"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.loss_divisor >= 1.0:
+        parser.error(f"--loss-divisor must be >= 1, got {args.loss_divisor}")
+    for name in ("checkpoint_every", "inject_inf_every", "eval_batches"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.d_model % args.heads:
+        parser.error(f"--d-model must be a multiple of --heads ({args.heads}), got {args.d_model}")
+    if (args.resume or args.checkpoint_every) and args.checkpoint_dir is None:
+        parser.error("--resume and --checkpoint-every need --checkpoint-dir")
+    if args.no_loss_scaling and args.precision != "fp16":
+        parser.error("--no-loss-scaling is for --precision fp16")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install -e '.[launch]'")
+
+
+# ------------------------------------------------------------------ setup
+
+
+def _init_distributed() -> torch.device:
+    """Start the process group (NCCL with CUDA, else gloo); one rank if not under torchrun."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", 1))))
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    else:  # plain `python launch/train.py`: a group of one, so every code path is the same
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return device
+
+
+def _wrap(model: nn.Module, parallel: str, device: torch.device) -> nn.Module:
+    if parallel == "none":
+        if dist.get_world_size() > 1:
+            raise SystemExit(
+                f"--parallel none trains one replica per process with nothing keeping them in "
+                f"step; launch it with one process, got world size {dist.get_world_size()}"
+            )
+        return model
+    if parallel == "ddp":
+        return nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    if parallel == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return FullyShardedDataParallel(
+            model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=device
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _make_scaler(args: argparse.Namespace) -> ShardedGradScaler:
+    if args.precision == "fp16":
+        return ShardedGradScaler(
+            init_scale=args.init_scale,
+            growth_interval=args.growth_interval,
+            enabled=not args.no_loss_scaling,
+        )
+    return ShardedGradScaler(dynamic=False)  # the guard: scale 1, non-finite steps skipped
+
+
+@torch.no_grad()
+def _zero_fraction(optimizer: torch.optim.Optimizer, device: torch.device) -> float:
+    """The fraction of gradient elements, over all ranks, that are exactly zero."""
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None:
+                grad = param.grad
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                counts[0] += (local == 0).sum()
+                counts[1] += local.numel()
+    dist.all_reduce(counts)
+    return float(counts[0] / counts[1]) if counts[1] else 0.0
+
+
+@torch.no_grad()
+def _plant_inf(optimizer: torch.optim.Optimizer) -> None:
+    """Write an inf into one element of this rank's local gradient shard."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            if local.numel():
+                local.view(-1)[0] = math.inf
+                return
+
+
+# ------------------------------------------------------------------ what a user sees
+
+
+class Progress:
+    """Rank 0's progress: a bar on a terminal, a line every ``log_every`` steps elsewhere."""
+
+    def __init__(self, total: int, log_every: int, enabled: bool) -> None:
+        self.total, self.log_every, self.enabled = total, log_every, enabled
+        self.tty = enabled and sys.stdout.isatty()
+
+    def update(self, step: int, loss: float, scale: float, skipped: int, tokens_s: float) -> None:
+        if not self.enabled:
+            return
+        done = step + 1
+        text = (
+            f"step {done:>5}/{self.total}  loss {loss:7.4f}  scale {scale:>9g}  "
+            f"skipped {skipped:>3}  {tokens_s:9.0f} tok/s"
+        )
+        if self.tty:
+            filled = int(30 * done / self.total)
+            print(f"\r[{'#' * filled}{'.' * (30 - filled)}] {text}", end="", flush=True)
+        elif done % self.log_every == 0 or done == self.total:
+            print(text, flush=True)
+
+    def note(self, message: str) -> None:
+        if self.enabled:
+            print(("\n" if self.tty else "") + message, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(flush=True)
+
+
+def _state_digest(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scaler: ShardedGradScaler
+) -> torch.Tensor:
+    """A digest of the full parameters, the optimizer step counters and the scaler state."""
+    digest = hashlib.sha256()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    for name in sorted(full):
+        value = full[name]
+        value = value.full_tensor() if isinstance(value, DTensor) else value
+        digest.update(name.encode())
+        raw = value.detach().float().cpu().reshape(-1).contiguous().view(torch.uint8)
+        digest.update(bytes(raw.tolist()))
+    steps = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
+    digest.update(repr((sorted(set(steps)), sorted(scaler.state_dict().items()))).encode())
+    return torch.tensor(list(digest.digest()), dtype=torch.int64)
+
+
+def _ranks_agree(digest: torch.Tensor) -> bool:
+    gathered = [torch.empty_like(digest) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, digest)
+    return all(torch.equal(gathered[0], other) for other in gathered)
+
+
+def _plot(path: Path, history: list[dict[str, Any]], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    fig, (loss_axis, scale_axis) = plt.subplots(2, 1, sharex=True, figsize=(8, 6))
+    loss_axis.plot(steps, [h["loss"] for h in history], lw=1)
+    loss_axis.set_ylabel("training loss")
+    loss_axis.set_title(title)
+    scale_axis.plot(steps, [h["scale"] for h in history], lw=1, color="tab:orange")
+    skipped = [h for h in history if h["skipped"]]
+    scale_axis.scatter(
+        [h["step"] for h in skipped],
+        [h["scale"] for h in skipped],
+        marker="x",
+        color="tab:red",
+        label="skipped step",
+        zorder=3,
+    )
+    scale_axis.set_yscale("log", base=2)
+    scale_axis.set_ylabel("loss scale")
+    scale_axis.set_xlabel("step")
+    if skipped:
+        scale_axis.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ the job
+
+
+def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Run the job on the initialised process group; return its summary (on every rank)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if not 0 <= args.inject_rank < world_size:
+        raise SystemExit(f"--inject-rank must be in [0, {world_size}), got {args.inject_rank}")
+    torch.manual_seed(args.seed)
+    config = GPTConfig(
+        seq_len=args.seq_len, d_model=args.d_model, n_heads=args.heads, n_layers=args.layers
+    )
+    model = _wrap(GPT(config).to(device), args.parallel, device)
+    # eps / D keeps AdamW's update what it is at D = 1: only the gradients' range moves.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=1e-8 / args.loss_divisor)
+    scaler = _make_scaler(args)
+    batches = Batches(build_corpus(), args.seq_len, args.batch_size, args.seed)
+    progress = Progress(args.steps, args.log_every, enabled=rank == 0)
+
+    train_state: dict[str, Any] = {"step": 0, "samples_seen": 0, "seed": args.seed}
+    state = {
+        "app": checkpointing.ModelAndOptimizer(model, optimizer),
+        "scaler": scaler,
+        "train": train_state,
+        "rng": torch.get_rng_state(),
+    }
+    if args.resume:
+        path = checkpointing.latest(args.checkpoint_dir)
+        checkpointing.load(path, state)
+        if train_state["seed"] != args.seed:
+            raise SystemExit(
+                f"--seed {args.seed} differs from the checkpoint's {train_state['seed']}"
+            )
+        torch.set_rng_state(state["rng"])
+        progress.note(
+            f"resumed from {path} at step {train_state['step']} "
+            f"(scale {scaler.get_scale():g}, world size {world_size})"
+        )
+    start = train_state["step"]
+
+    autocast_dtype = _COMPUTE_DTYPES[args.precision]
+    history: list[dict[str, Any]] = []
+    tokens_per_step = args.batch_size * args.seq_len * world_size
+    started = time.perf_counter()
+    stop = args.steps if args.exit_after is None else min(args.steps, args.exit_after)
+    for step in range(start, stop):
+        inputs, targets = (t.to(device) for t in batches.train_batch(step, rank, world_size))
+        autocast = (
+            torch.autocast(device.type, dtype=autocast_dtype)
+            if autocast_dtype is not None
+            else nullcontext()
+        )
+        with autocast:
+            loss = lm_loss(model(inputs), targets)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss / args.loss_divisor).backward()
+        if (
+            args.inject_inf_every
+            and (step + 1) % args.inject_inf_every == 0
+            and rank == args.inject_rank
+        ):
+            _plant_inf(optimizer)
+        zeros = _zero_fraction(optimizer, device) if args.track_underflow else None
+        scale_used = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped = scaler.last_step_skipped
+        global_loss = loss.detach().float().clone()
+        dist.all_reduce(global_loss)
+        history.append(
+            {
+                "step": step + 1,
+                "loss": global_loss.item() / world_size,
+                "scale": scaler.get_scale(),
+                "skipped": skipped,
+            }
+        )
+        if zeros is not None:
+            history[-1]["zero_grad_fraction"] = zeros
+        train_state.update(step=step + 1, samples_seen=(step + 1) * args.batch_size * world_size)
+        if skipped:
+            progress.note(
+                f"step {step + 1}: skipped on all {world_size} rank(s) (non-finite "
+                f"gradients); scale {scale_used:g} -> {scaler.get_scale():g}"
+            )
+        elapsed = time.perf_counter() - started
+        progress.update(
+            step,
+            history[-1]["loss"],
+            history[-1]["scale"],
+            scaler.state_dict().get("skipped_steps", 0),
+            tokens_per_step * (step + 1 - start) / max(elapsed, 1e-9),
+        )
+        every = args.checkpoint_every
+        if args.checkpoint_dir is not None and every and (step + 1) % every == 0:
+            state["rng"] = torch.get_rng_state()
+            checkpointing.save(args.checkpoint_dir, step + 1, state)
+    progress.close()
+    elapsed = time.perf_counter() - started
+    final_step = train_state["step"]
+    interrupted = final_step < args.steps
+    if args.checkpoint_dir is not None and not args.checkpoint_every and not interrupted:
+        state["rng"] = torch.get_rng_state()
+        checkpointing.save(args.checkpoint_dir, final_step, state)
+
+    eval_loss = _evaluate(model, batches, args.eval_batches, device, autocast_dtype)
+    agree = _ranks_agree(_state_digest(model, optimizer, scaler))
+    scaler_state = scaler.state_dict()
+    return {
+        "steps": final_step,
+        "interrupted": interrupted,
+        "skipped_steps": scaler_state.get("skipped_steps", 0),
+        "final_loss": history[-1]["loss"] if history else None,
+        "eval_loss": eval_loss,
+        "final_scale": scaler.get_scale(),
+        "world_size": world_size,
+        "ranks_agree": agree,
+        "parallel": args.parallel,
+        "precision": args.precision,
+        "loss_scaling": scaler.is_enabled() and args.precision == "fp16",
+        "backend": str(dist.get_backend()),
+        "tokens_per_s": tokens_per_step * len(history) / elapsed if history else 0.0,
+        "elapsed_s": elapsed,
+        "history": history,
+    }
+
+
+@torch.no_grad()
+def _evaluate(
+    model: nn.Module,
+    batches: Batches,
+    count: int,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None,
+) -> float | None:
+    """Mean held-out loss over ``count`` fixed batches, averaged over ranks."""
+    if count == 0:
+        return None
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for inputs, targets in batches.held_out_batches(count):
+        autocast = (
+            torch.autocast(device.type, dtype=autocast_dtype)
+            if autocast_dtype is not None
+            else nullcontext()
+        )
+        with autocast:
+            total += lm_loss(model(inputs.to(device)), targets.to(device)).double()
+    dist.all_reduce(total)
+    return float(total.item()) / (count * dist.get_world_size())
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    rows = [
+        ("steps", summary["steps"]),
+        ("skipped steps", summary["skipped_steps"]),
+        ("final training loss", f"{summary['final_loss']:.4f}" if summary["final_loss"] else "-"),
+        ("held-out loss", f"{summary['eval_loss']:.4f}" if summary["eval_loss"] else "-"),
+        ("final scale", f"{summary['final_scale']:g}"),
+        ("world size", f"{summary['world_size']} ({summary['backend']}, {summary['parallel']})"),
+        (
+            "precision",
+            summary["precision"]
+            + (
+                ""
+                if summary["loss_scaling"] or summary["precision"] != "fp16"
+                else " (no loss scaling)"
+            ),
+        ),
+        ("ranks agree", "yes" if summary["ranks_agree"] else "NO: the replicas diverged"),
+        ("throughput", f"{summary['tokens_per_s']:.0f} tokens/s"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    print("\n".join(f"  {name:<{width}}  {value}" for name, value in rows), flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device = _init_distributed()
+    try:
+        summary = train(args, device)
+        if dist.get_rank() == 0:
+            _print_summary(summary)
+            if args.summary_json is not None:
+                args.summary_json.parent.mkdir(parents=True, exist_ok=True)
+                args.summary_json.write_text(json.dumps(summary, indent=2))
+            if args.plot is not None:
+                title = f"{args.precision}, {args.parallel}, {summary['world_size']} rank(s)"
+                _plot(args.plot, summary["history"], title)
+        if not summary["ranks_agree"]:
+            raise SystemExit("the ranks' parameters or scaler states differ at the end")
+        return summary
+    except checkpointing.CheckpointError as error:
+        raise SystemExit(f"error: {error}") from None
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

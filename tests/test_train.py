@@ -1,0 +1,287 @@
+"""End to end: the example job under real torchrun, its checkpoints, and `shardscale inspect`.
+
+Few and small (each torchrun start costs seconds), sharing one set of runs per module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+from shardscale.cli import main as shardscale_cli
+
+# One xdist worker runs the whole module (``--dist loadgroup``): its torchrun jobs share one set
+# of runs, built once, and do not compete with each other for the two cores.
+pytestmark = [pytest.mark.torchrun, pytest.mark.xdist_group("torchrun")]
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = str(ROOT / "launch" / "train.py")
+# Small and quick; an inf planted in rank 1's shard at steps 3 and 6.
+JOB = [
+    "--steps",
+    "6",
+    "--batch-size",
+    "4",
+    "--eval-batches",
+    "2",
+    "--growth-interval",
+    "2",
+    "--inject-inf-every",
+    "3",
+    "--inject-rank",
+    "1",
+]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", KINETO_LOG_LEVEL="5")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def torchrun(
+    nproc: int, *args: str, rdzv: list[str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    launcher = rdzv or ["--standalone"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *launcher,
+        "--nproc-per-node",
+        str(nproc),
+        TRAIN,
+        *args,
+    ]
+    result = subprocess.run(
+        command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"{command} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+        )
+    return result
+
+
+def _summary(path: Path) -> dict[str, Any]:
+    summary: dict[str, Any] = json.loads(path.read_text())
+    return summary
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """An uninterrupted run, and the same run interrupted after step 4 and resumed."""
+    folder = tmp_path_factory.mktemp("train")
+    checkpoints = folder / "checkpoints"
+    torchrun(2, *JOB, "--summary-json", str(folder / "full.json"))
+    first = torchrun(
+        2,
+        *JOB,
+        "--checkpoint-dir",
+        str(checkpoints),
+        "--checkpoint-every",
+        "2",
+        "--exit-after",
+        "4",
+        "--summary-json",
+        str(folder / "first.json"),
+    )
+    resumed = torchrun(
+        2,
+        *JOB,
+        "--checkpoint-dir",
+        str(checkpoints),
+        "--checkpoint-every",
+        "2",
+        "--resume",
+        "--summary-json",
+        str(folder / "resumed.json"),
+    )
+    return {
+        "folder": folder,
+        "checkpoints": checkpoints,
+        "full": _summary(folder / "full.json"),
+        "first": _summary(folder / "first.json"),
+        "resumed": _summary(folder / "resumed.json"),
+        "first_output": first.stdout,
+        "resumed_output": resumed.stdout,
+    }
+
+
+def test_train_inject_inf_every_rank_skips_and_ranks_agree(runs: dict[str, Any]) -> None:
+    full = runs["full"]
+    assert (full["steps"], full["skipped_steps"], full["world_size"]) == (6, 2, 2)
+    assert full["ranks_agree"] is True
+    assert [h["step"] for h in full["history"] if h["skipped"]] == [3, 6]
+    assert full["parallel"] == "fsdp2"
+    assert full["precision"] == "fp16"
+
+
+def test_train_interrupted_and_resumed_equals_uninterrupted(runs: dict[str, Any]) -> None:
+    full, first, resumed = runs["full"], runs["first"], runs["resumed"]
+    assert first["interrupted"] is True
+    assert first["steps"] == 4
+    assert "resumed from" in runs["resumed_output"]
+    for key in ("steps", "skipped_steps", "final_loss", "final_scale", "eval_loss"):
+        assert resumed[key] == full[key], key  # bit for bit: same data, same reductions
+    assert resumed["history"] == full["history"][4:]
+    assert first["history"] == full["history"][:4]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_train_resume_at_another_world_size(
+    runs: dict[str, Any], tmp_path: Path, world_size: int
+) -> None:
+    summary_path = tmp_path / "summary.json"
+    checkpoints = tmp_path / "checkpoints"  # a copy: this run adds checkpoints of its own
+    shutil.copytree(runs["checkpoints"], checkpoints)
+    result = torchrun(
+        world_size,
+        *JOB,
+        "--steps",
+        "8",
+        "--inject-rank",
+        "0",
+        "--checkpoint-dir",
+        str(checkpoints),
+        "--resume",
+        "--summary-json",
+        str(summary_path),
+    )
+    summary = _summary(summary_path)
+    assert (
+        f"at step 6 (scale {runs['full']['final_scale']:g}, world size {world_size})"
+        in result.stdout
+    )
+    assert (summary["steps"], summary["world_size"], summary["ranks_agree"]) == (
+        8,
+        world_size,
+        True,
+    )
+    assert summary["skipped_steps"] == 2  # the counters came along
+
+
+def test_train_resume_without_checkpoint_fails_naming_the_folder(tmp_path: Path) -> None:
+    result = torchrun(2, *JOB, "--checkpoint-dir", str(tmp_path / "none"), "--resume", check=False)
+    assert result.returncode != 0
+    assert (
+        f"the checkpoint directory {tmp_path / 'none'} does not exist"
+        in result.stdout + result.stderr
+    )
+
+
+def test_train_resume_from_truncated_shard_fails_naming_the_file(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    damaged = tmp_path / "damaged" / "step_000002"
+    damaged.parent.mkdir()
+    shutil.copytree(runs["checkpoints"] / "step_000002", damaged)
+    shard = damaged / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    result = torchrun(2, *JOB, "--checkpoint-dir", str(damaged.parent), "--resume", check=False)
+    assert result.returncode != 0
+    assert f"checkpoint shard {shard} is truncated" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp1"])
+def test_train_other_parallelisms_agree(parallel: str, tmp_path: Path) -> None:
+    torchrun(2, *JOB, "--parallel", parallel, "--summary-json", str(tmp_path / "s.json"))
+    summary = _summary(tmp_path / "s.json")
+    assert (summary["skipped_steps"], summary["ranks_agree"]) == (2, True)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def test_train_two_nodes_on_loopback(tmp_path: Path) -> None:
+    """Two torchrun agents, one process each, meet through c10d rendezvous as two nodes."""
+    summary_path = tmp_path / "summary.json"
+    rdzv = [
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{_free_port()}",
+        "--rdzv-id",
+        "two-nodes",
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *rdzv,
+        "--nproc-per-node",
+        "1",
+        TRAIN,
+        *JOB,
+        "--summary-json",
+        str(summary_path),
+    ]
+    agents = [
+        subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(outputs)
+    summary = _summary(summary_path)
+    assert (summary["world_size"], summary["ranks_agree"], summary["skipped_steps"]) == (2, True, 2)
+
+
+def test_inspect_good_checkpoint_reports_scaler_and_agreeing_counters(
+    runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert shardscale_cli(["inspect", str(runs["checkpoints"])]) == 0
+    out = capsys.readouterr().out
+    assert "step_000006" in out  # the newest checkpoint of the folder
+    assert "skipped_steps        2" in out
+    assert "29 step counters, all 4: agree" in out
+    assert "6 steps - 2 skipped = 4: consistent" in out
+
+
+def test_inspect_tampered_checkpoint_fails(
+    runs: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flat = tmp_path / "checkpoint.pt"
+    dcp_to_torch_save(runs["checkpoints"] / "step_000006", flat)
+    state = torch.load(flat, weights_only=False)
+    state["app"]["optim"]["state"]["head.weight"]["step"] += 1  # one shard "stepped" alone
+    torch.save(state, flat)
+    tampered = tmp_path / "tampered"
+    torch_save_to_dcp(flat, tampered)
+    assert shardscale_cli(["inspect", str(tampered)]) == 1
+    err = capsys.readouterr().err
+    assert "step counters disagree" in err
+    assert "5: head.weight (1)" in err
+
+
+def test_inspect_not_a_checkpoint_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert shardscale_cli(["inspect", str(tmp_path)]) == 2
+    assert ".metadata is missing" in capsys.readouterr().err
