@@ -330,6 +330,9 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     tokens_per_step = args.batch_size * args.seq_len * world_size
     started = time.perf_counter()
     stop = args.steps if args.exit_after is None else min(args.steps, args.exit_after)
+    # Host-side copies, so the loop reads the device once per step (the new scale), not more.
+    scale = scaler.get_scale()
+    skipped_total = scaler.state_dict().get("skipped_steps", 0)
     for step in range(start, stop):
         inputs, targets = (t.to(device) for t in batches.train_batch(step, rank, world_size))
         autocast = (
@@ -348,17 +351,18 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         ):
             _plant_inf(optimizer)
         zeros = _zero_fraction(optimizer, device) if args.track_underflow else None
-        scale_used = scaler.get_scale()
         scaler.step(optimizer)
         scaler.update()
-        skipped = scaler.last_step_skipped
+        skipped = scaler.last_step_skipped  # free after AdamW's (non-fused) step
+        skipped_total += skipped
+        scale_used, scale = scale, scaler.get_scale()
         global_loss = loss.detach().float().clone()
         dist.all_reduce(global_loss)
         history.append(
             {
                 "step": step + 1,
                 "loss": global_loss.item() / world_size,
-                "scale": scaler.get_scale(),
+                "scale": scale,
                 "skipped": skipped,
             }
         )
@@ -368,14 +372,14 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         if skipped:
             progress.note(
                 f"step {step + 1}: skipped on all {world_size} rank(s) (non-finite "
-                f"gradients); scale {scale_used:g} -> {scaler.get_scale():g}"
+                f"gradients); scale {scale_used:g} -> {scale:g}"
             )
         elapsed = time.perf_counter() - started
         progress.update(
             step,
             history[-1]["loss"],
-            history[-1]["scale"],
-            scaler.state_dict().get("skipped_steps", 0),
+            scale,
+            skipped_total,
             tokens_per_step * (step + 1 - start) / max(elapsed, 1e-9),
         )
         every = args.checkpoint_every
