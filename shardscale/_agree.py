@@ -16,14 +16,21 @@ only when ``found_inf == 1.0``, so a summed flag of 2.0 (two ranks overflowed) w
 step with inf gradients.
 
 Without an initialised process group, or with a world size of 1, no collective is issued.
+
+With a ``timeout``, a rank that never arrives (it crashed, hung, or took another code path) makes
+the others raise ``ShardScaleDistributedError`` within that time instead of waiting out the
+process group's own timeout (30 minutes by default).
 """
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from shardscale._devices import move
+from shardscale._errors import ShardScaleDistributedError
 
 __all__ = ["Agreement"]
 
@@ -58,8 +65,11 @@ class Agreement:
             looked up at the first step so a scaler may be built before ``init_process_group``.
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, process_group: dist.ProcessGroup | None = None, timeout: timedelta | None = None
+    ) -> None:
         self._requested = process_group
+        self.timeout = timeout
         self._group: dist.ProcessGroup | None = None
         self._world_size: int | None = None
         self._comm_devices: dict[torch.device, torch.device] = {}
@@ -68,6 +78,11 @@ class Agreement:
     def process_group(self) -> dist.ProcessGroup | None:
         """The group given at construction (None: the default group)."""
         return self._requested
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The resolved group (None until ``world_size`` was first read with a group up)."""
+        return self._group
 
     @property
     def world_size(self) -> int:
@@ -101,7 +116,7 @@ class Agreement:
         return comm
 
     def agree(
-        self, local_flags: list[torch.Tensor], holds_grads: bool, device: torch.device
+        self, local_flags: list[torch.Tensor], holds_grads: bool, device: torch.device, step: int
     ) -> torch.Tensor:
         """Combine this rank's per-device flags with every other rank's, in one collective.
 
@@ -110,12 +125,14 @@ class Agreement:
                 gradients (the caller's own tensors: they may be modified).
             holds_grads: whether this rank holds any gradient element.
             device: the scale's device, where the agreed ``found_inf`` is returned.
+            step: the step being taken, for error messages.
 
         Returns:
             ``found_inf``: a float32 scalar on ``device``, 1.0 if any rank overflowed, else 0.0.
 
         Raises:
             RuntimeError: no rank holds any gradient (every rank raises together).
+            ShardScaleDistributedError: a rank did not arrive within ``timeout``.
         """
         world_size = self.world_size
         if world_size == 1:
@@ -128,13 +145,38 @@ class Agreement:
             flag = self._local_max(local_flags, comm).add_(1.0)
         else:
             flag = torch.zeros((), dtype=torch.float32, device=comm)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        self.wait(
+            dist.all_reduce(
+                flag, op=dist.ReduceOp.MAX, group=self._group, async_op=self.timeout is not None
+            ),
+            step,
+            "the overflow flag (all_reduce)",
+        )
         # Only a rank with nothing to check asks whether anybody had something: the host sync
         # stays off the path of the ranks that hold gradients.
         if not holds_grads and flag.item() == 0.0:
             raise RuntimeError(_NO_GRADS.format(world_size=world_size))
         # Some rank held gradients, so the maximum is 1 or 2: found_inf is exactly 0.0 or 1.0.
         return move(flag.sub_(1.0), device)
+
+    def wait(self, work: dist.Work | None, step: int, what: str) -> None:
+        """Wait for ``work`` (an async collective) at most ``timeout``; None: already done."""
+        if work is None or self.timeout is None:
+            return
+        try:
+            completed = work.wait(self.timeout)
+        except RuntimeError as error:
+            if "timed out" not in str(error).lower():
+                raise
+            completed = False
+        if not completed:
+            raise ShardScaleDistributedError(
+                f"step {step}: waited {self.timeout.total_seconds():g} s for all "
+                f"{self.world_size} ranks of the process group to exchange {what}, and at least "
+                "one never arrived: it crashed, hung, or took another code path (e.g. skipped "
+                "scaler.step(), or stepped another optimizer). The process group cannot be "
+                "trusted after this: end the job (torchrun restarts it from the last checkpoint)."
+            )
 
     @staticmethod
     def _local_max(local_flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -13,9 +13,11 @@ and validates state dicts.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from enum import Enum
 from typing import Any, overload
 
@@ -25,7 +27,7 @@ import torch.distributed as dist
 from shardscale._agree import Agreement
 from shardscale._check import check_and_unscale_
 from shardscale._devices import move
-from shardscale._errors import ShardScaleWarning
+from shardscale._errors import ShardScaleDistributedError, ShardScaleWarning
 from shardscale._grads import collect_local_grads, holds_elements, optimizer_params
 from shardscale._policy import ScalePolicy
 from shardscale._state import (
@@ -71,6 +73,23 @@ def _device_type(device: str | torch.device | None) -> str | None:
         raise ValueError(f"device must name a torch device type, got {device!r}") from error
 
 
+def _timeout(sync_timeout: timedelta | float | None) -> timedelta | None:
+    if sync_timeout is None:
+        return None
+    if isinstance(sync_timeout, timedelta):
+        seconds = sync_timeout.total_seconds()
+    elif isinstance(sync_timeout, (int, float)) and not isinstance(sync_timeout, bool):
+        seconds = float(sync_timeout)
+    else:
+        raise TypeError(
+            "sync_timeout must be a datetime.timedelta, a number of seconds or None, got "
+            f"{type(sync_timeout).__name__}"
+        )
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"sync_timeout must be a finite time > 0, got {seconds} s")
+    return timedelta(seconds=seconds)
+
+
 class ShardedGradScaler:
     """Loss scaler for sharded mixed-precision training whose ranks always agree.
 
@@ -112,6 +131,12 @@ class ShardedGradScaler:
         max_scale: the ceiling for growth. None: no ceiling.
         dynamic: False keeps the scale fixed (use ``init_scale=1.0`` as a bf16 guard): non-finite
             steps are still skipped on every rank together.
+        sync_timeout: the longest wait (a ``timedelta`` or seconds) for the other ranks at the
+            scaler's collectives; a rank that never arrives then raises
+            :class:`ShardScaleDistributedError` naming the step. None: the process group's own
+            timeout (30 minutes by default).
+        verify_every: call :meth:`verify_agreement` every N steps (one small collective and
+            one host sync each time). 0, the default: never.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -132,6 +157,8 @@ class ShardedGradScaler:
         min_scale: float = 1.0,
         max_scale: float | None = None,
         dynamic: bool = True,
+        sync_timeout: timedelta | float | None = None,
+        verify_every: int = 0,
     ) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}: {enabled!r}")
@@ -143,6 +170,11 @@ class ShardedGradScaler:
                 f"{type(process_group).__name__}"
             )
         device_type = _device_type(device)
+        timeout = _timeout(sync_timeout)
+        if isinstance(verify_every, bool) or not isinstance(verify_every, int):
+            raise TypeError(f"verify_every must be an int, got {type(verify_every).__name__}")
+        if verify_every < 0:
+            raise ValueError(f"verify_every must be >= 0 (0: never), got {verify_every}")
         policy = ScalePolicy(
             init_scale=(2.0**16 if dynamic else 1.0) if init_scale is None else init_scale,
             growth_factor=growth_factor,
@@ -162,14 +194,23 @@ class ShardedGradScaler:
             )
             enabled = False
         initial = ScalerState(policy=policy, scale=policy.initial_state(), counters=Counters())
-        self._setup(device_type, enabled, Agreement(process_group), initial)
+        self._setup(device_type, enabled, Agreement(process_group, timeout), initial, verify_every)
 
     def _setup(
-        self, device_type: str | None, enabled: bool, agreement: Agreement, initial: ScalerState
+        self,
+        device_type: str | None,
+        enabled: bool,
+        agreement: Agreement,
+        initial: ScalerState,
+        verify_every: int,
     ) -> None:
         self._device_type = device_type
         self._enabled = enabled
         self._agreement = agreement
+        self._verify_every = verify_every
+        # The steps counted so far, kept on the host too: error messages name the step without
+        # reading the device.
+        self._steps = initial.counters.steps
         # Host-side state until the first scale() puts it on the loss's device.
         self._initial = initial
         self._device_state: DeviceState | None = None
@@ -379,6 +420,7 @@ class ShardedGradScaler:
         if found_infs:
             found_inf = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).amax()
             device_state.count_step_(found_inf)
+            self._steps += 1
             if manual is None:
                 self.policy.update_(
                     scale, device_state.growth_tracker, device_state.hysteresis_tracker, found_inf
@@ -388,6 +430,8 @@ class ShardedGradScaler:
         self._records = {}
         if scale.device.type == "cpu":  # reading the state costs no device synchronisation
             self._warn_if_at_floor()
+        if self._verify_every and found_infs and self._steps % self._verify_every == 0:
+            self.verify_agreement()
 
     def _checked_new_scale(self, new_scale: float | torch.Tensor) -> torch.Tensor:
         if isinstance(new_scale, torch.Tensor):
@@ -439,6 +483,50 @@ class ShardedGradScaler:
     def _get_growth_tracker(self) -> int:
         return self._read_state().scale.growth_tracker if self._enabled else 0
 
+    def verify_agreement(self) -> None:
+        """Check that every rank holds the same scaler state, in one small collective.
+
+        Compares the scale, the trackers, the counters and the policy settings. They always
+        agree if every rank ran the same steps and loaded the same state; this catches the
+        cases where they did not (a state dict loaded on some ranks only, a rank restarted
+        from another checkpoint). A no-op at world size 1. Costs one host synchronisation.
+
+        Raises:
+            ShardScaleDistributedError: the ranks differ; the message lists every rank's values
+                for each field that differs. Or a rank did not arrive within ``sync_timeout``.
+        """
+        if not self._enabled or self._agreement.world_size == 1:
+            return
+        fields = dict(to_state_dict(self._read_state()))
+        names = list(fields)
+        device = self._agreement.comm_device(
+            torch.device("cpu") if self._device_state is None else self._device_state.scale.device
+        )
+        mine = torch.tensor([float(fields[n]) for n in names], dtype=torch.float64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(self._agreement.world_size)]
+        self._agreement.wait(
+            dist.all_gather(
+                gathered,
+                mine,
+                group=self._agreement.group,
+                async_op=self._agreement.timeout is not None,
+            ),
+            self._steps,
+            "their scaler states (verify_agreement's all_gather)",
+        )
+        rows = torch.stack(gathered).cpu()
+        differing = [i for i, name in enumerate(names) if not torch.all(rows[:, i] == rows[0, i])]
+        if differing:
+            details = "; ".join(
+                f"{names[i]}: "
+                + ", ".join(f"rank {r} = {rows[r, i].item():g}" for r in range(len(gathered)))
+                for i in differing
+            )
+            raise ShardScaleDistributedError(
+                f"step {self._steps}: the scaler states of the {len(gathered)} ranks differ: "
+                f"{details}"
+            )
+
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
@@ -469,6 +557,7 @@ class ShardedGradScaler:
             return
         state = parse_state_dict(state_dict, self.policy)
         self._initial = state
+        self._steps = state.counters.steps
         if self._device_state is not None:
             self._device_state.write(state)
 
@@ -487,10 +576,19 @@ class ShardedGradScaler:
             "device_type": self._device_type,
             "enabled": self._enabled,
             "state": self._read_state() if self._enabled else self._initial,
+            "sync_timeout": self._agreement.timeout,
+            "verify_every": self._verify_every,
         }
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
-        self._setup(pickled["device_type"], pickled["enabled"], Agreement(None), pickled["state"])
+        agreement = Agreement(None, pickled["sync_timeout"])
+        self._setup(
+            pickled["device_type"],
+            pickled["enabled"],
+            agreement,
+            pickled["state"],
+            pickled["verify_every"],
+        )
 
     # ------------------------------------------------------------------ internals
 
@@ -509,7 +607,7 @@ class ShardedGradScaler:
         with torch.no_grad():
             groups = collect_local_grads(optimizer_params(optimizer))
             local_flags = check_and_unscale_(groups, inv_scale)
-        return self._agreement.agree(local_flags, holds_elements(groups), device)
+        return self._agreement.agree(local_flags, holds_elements(groups), device, self._steps + 1)
 
     def _warn_if_at_floor(self) -> None:
         """Warn, once, when the scale has backed off to ``min_scale`` and cannot go lower."""
