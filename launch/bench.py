@@ -212,6 +212,7 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as file:
                 json.dump(results, file, indent=2)
+    dist.barrier()  # no rank leaves while another still needs the group
     dist.destroy_process_group()
 
 

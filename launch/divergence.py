@@ -56,6 +56,7 @@ def main() -> None:
                 weights = bytes(gathered[1:].view(torch.uint8).tolist())
                 digest = hashlib.sha256(weights).hexdigest()[:12]
                 print(f"  rank {other}: scale {gathered[0].item():g}, weights {digest}")
+    dist.barrier()  # no rank leaves while another still needs the group
     dist.destroy_process_group()
     if not ours_agree:
         raise SystemExit("shardscale's ranks disagreed: please report this")

@@ -66,6 +66,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "gradient accumulation); AdamW's eps is divided too, so fp32 training is unchanged",
     )
     add("--init-scale", type=float, default=2.0**16)
+    add(
+        "--sync-timeout",
+        type=float,
+        default=300.0,
+        help="seconds the scaler waits for every rank at its collective before raising",
+    )
+    add(
+        "--verify-every",
+        type=int,
+        default=0,
+        help="compare the scaler state across ranks every K steps (0: only after --resume)",
+    )
     add("--growth-interval", type=int, default=100)
     add("--seed", type=int, default=0)
     add("--checkpoint-dir", type=Path, help="where sharded checkpoints go")
@@ -94,7 +106,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not args.loss_divisor >= 1.0:
         parser.error(f"--loss-divisor must be >= 1, got {args.loss_divisor}")
-    for name in ("checkpoint_every", "inject_inf_every", "eval_batches"):
+    if args.sync_timeout <= 0:
+        parser.error(f"--sync-timeout must be > 0, got {args.sync_timeout}")
+    for name in ("checkpoint_every", "inject_inf_every", "eval_batches", "verify_every"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.d_model % args.heads:
@@ -159,13 +173,15 @@ def _wrap(model: nn.Module, parallel: str, device: torch.device) -> nn.Module:
 
 
 def _make_scaler(args: argparse.Namespace) -> ShardedGradScaler:
+    bounds = {"sync_timeout": args.sync_timeout, "verify_every": args.verify_every}
     if args.precision == "fp16":
         return ShardedGradScaler(
             init_scale=args.init_scale,
             growth_interval=args.growth_interval,
             enabled=not args.no_loss_scaling,
+            **bounds,
         )
-    return ShardedGradScaler(dynamic=False)  # the guard: scale 1, non-finite steps skipped
+    return ShardedGradScaler(dynamic=False, **bounds)  # the guard: scale 1, non-finite skipped
 
 
 @torch.no_grad()
@@ -319,6 +335,7 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
                 f"--seed {args.seed} differs from the checkpoint's {train_state['seed']}"
             )
         torch.set_rng_state(state["rng"])
+        scaler.verify_agreement()  # every rank loaded the same scaler state, or we stop here
         progress.note(
             f"resumed from {path} at step {train_state['step']} "
             f"(scale {scaler.get_scale():g}, world size {world_size})"
@@ -479,6 +496,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 _plot(args.plot, summary["history"], title)
         if not summary["ranks_agree"]:
             raise SystemExit("the ranks' parameters or scaler states differ at the end")
+        # No rank leaves while another still needs the group (rank 0 may host its store).
+        dist.barrier()
         return summary
     except checkpointing.CheckpointError as error:
         raise SystemExit(f"error: {error}") from None

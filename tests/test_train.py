@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -201,10 +202,20 @@ def test_train_other_parallelisms_agree(parallel: str, tmp_path: Path) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+    """A free port below the kernel's ephemeral range, which no socket opened without a port
+    (gloo's, another torchrun's) can take between this check and the agent's bind."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for port in random.Random().sample(range(10_000, max(10_001, low)), 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def test_train_two_nodes_on_loopback(tmp_path: Path) -> None:
