@@ -24,6 +24,7 @@ process group's own timeout (30 minutes by default).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -132,7 +133,7 @@ class Agreement:
 
         Raises:
             RuntimeError: no rank holds any gradient (every rank raises together).
-            ShardScaleDistributedError: a rank did not arrive within ``timeout``.
+            ShardScaleDistributedError: a rank did not arrive within ``timeout``, or left.
         """
         world_size = self.world_size
         if world_size == 1:
@@ -145,9 +146,9 @@ class Agreement:
             flag = self._local_max(local_flags, comm).add_(1.0)
         else:
             flag = torch.zeros((), dtype=torch.float32, device=comm)
-        self.wait(
-            dist.all_reduce(
-                flag, op=dist.ReduceOp.MAX, group=self._group, async_op=self.timeout is not None
+        self.collective(
+            lambda async_op: dist.all_reduce(
+                flag, op=dist.ReduceOp.MAX, group=self._group, async_op=async_op
             ),
             step,
             "the overflow flag (all_reduce)",
@@ -159,17 +160,25 @@ class Agreement:
         # Some rank held gradients, so the maximum is 1 or 2: found_inf is exactly 0.0 or 1.0.
         return move(flag.sub_(1.0), device)
 
-    def wait(self, work: dist.Work | None, step: int, what: str) -> None:
-        """Wait for ``work`` (an async collective) at most ``timeout``; None: already done."""
-        if work is None or self.timeout is None:
-            return
+    def collective(self, start: Callable[[bool], dist.Work | None], step: int, what: str) -> None:
+        """Run ``start(async_op)`` and wait for it, at most ``timeout``.
+
+        Raises:
+            ShardScaleDistributedError: a rank did not arrive in time, or left the group (its
+                connection broke) during the collective; the message names the step.
+        """
         try:
-            completed = work.wait(self.timeout)
+            work = start(self.timeout is not None)
+            completed = work is None or self.timeout is None or work.wait(self.timeout)
         except RuntimeError as error:
             if "timed out" not in str(error).lower():
-                raise
+                raise ShardScaleDistributedError(
+                    f"step {step}: exchanging {what} with the other {self.world_size - 1} "
+                    f"rank(s) failed: a rank left the process group ({error})"
+                ) from error
             completed = False
         if not completed:
+            assert self.timeout is not None
             raise ShardScaleDistributedError(
                 f"step {step}: waited {self.timeout.total_seconds():g} s for all "
                 f"{self.world_size} ranks of the process group to exchange {what}, and at least "

@@ -504,12 +504,9 @@ class ShardedGradScaler:
         )
         mine = torch.tensor([float(fields[n]) for n in names], dtype=torch.float64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(self._agreement.world_size)]
-        self._agreement.wait(
-            dist.all_gather(
-                gathered,
-                mine,
-                group=self._agreement.group,
-                async_op=self._agreement.timeout is not None,
+        self._agreement.collective(
+            lambda async_op: dist.all_gather(
+                gathered, mine, group=self._agreement.group, async_op=async_op
             ),
             self._steps,
             "their scaler states (verify_agreement's all_gather)",
