@@ -80,6 +80,13 @@ def save(directory: Path, step: int, state: dict[str, Any]) -> Path:
     return final
 
 
+def has_checkpoint(directory: Path) -> bool:
+    """Whether ``directory`` holds a complete checkpoint folder (it may still be damaged)."""
+    return directory.is_dir() and any(
+        _NAME.match(p.name) and p.is_dir() for p in directory.iterdir()
+    )
+
+
 def latest(directory: Path) -> Path:
     """The newest complete checkpoint in ``directory``.
 

@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -84,6 +85,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--checkpoint-every", type=int, default=0, help="save every K steps (0: only at the end)")
     add("--resume", action="store_true", help="continue from the newest checkpoint")
     add("--exit-after", type=int, help="stop after this step, as if interrupted")
+    add(
+        "--fail-at-step",
+        type=int,
+        help="kill --fail-rank at this step on the first attempt "
+        "(fault injection: shows a torchrun restart resuming from the last checkpoint)",
+    )
+    add("--fail-rank", type=int, default=0, help="the rank --fail-at-step kills")
     add("--inject-inf-every", type=int, default=0, help="plant an inf every K steps (0: never)")
     add("--inject-rank", type=int, default=0, help="the rank whose gradient gets the inf")
     add("--eval-batches", type=int, default=8, help="held-out batches for the final eval loss")
@@ -136,8 +144,28 @@ def _init_distributed() -> torch.device:
     else:
         device, backend = torch.device("cpu"), "gloo"
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", 1))))
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    device_id = device if backend == "nccl" else None
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if "RANK" in os.environ and attempt:
+        # torch 2.13 reuses torchrun's store across restarts without a per-attempt prefix, so a
+        # restarted rank would read the dead attempt's addresses; add the prefix ourselves.
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world_size,
+            is_master=rank == 0 and not agent_hosts,
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"shardscale/attempt_{attempt}", store),
+            rank=rank,
+            world_size=world_size,
+            device_id=device_id,
+        )
+    elif "RANK" in os.environ:
+        dist.init_process_group(backend, device_id=device_id)
     else:  # plain `python launch/train.py`: a group of one, so every code path is the same
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return device
@@ -327,6 +355,15 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "train": train_state,
         "rng": torch.get_rng_state(),
     }
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart and args.checkpoint_dir is not None and not args.resume:
+        if checkpointing.has_checkpoint(args.checkpoint_dir):
+            args.resume = True  # torchrun restarted the job: carry on from the last checkpoint
+        else:
+            progress.note(
+                f"restart {restart}: no checkpoint in {args.checkpoint_dir} yet, "
+                "starting again from step 0"
+            )
     if args.resume:
         path = checkpointing.latest(args.checkpoint_dir)
         checkpointing.load(path, state)
@@ -361,6 +398,9 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             loss = lm_loss(model(inputs), targets)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss / args.loss_divisor).backward()
+        if args.fail_at_step == step + 1 and rank == args.fail_rank and not restart:
+            print(f"rank {rank}: killed at step {step + 1} (--fail-at-step)", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         if (
             args.inject_inf_every
             and (step + 1) % args.inject_inf_every == 0

@@ -296,3 +296,48 @@ def test_inspect_not_a_checkpoint_exits_2(
 ) -> None:
     assert shardscale_cli(["inspect", str(tmp_path)]) == 2
     assert ".metadata is missing" in capsys.readouterr().err
+
+
+def test_train_rank_killed_torchrun_restarts_and_resumes_intact(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    """Rank 1 is killed (SIGKILL) at step 5; torchrun restarts the job, which resumes from the
+    step-4 checkpoint and ends exactly where the uninterrupted run does."""
+    summary_path = tmp_path / "summary.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--max-restarts",
+            "1",
+            "--nproc-per-node",
+            "2",
+            TRAIN,
+            *JOB,
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--checkpoint-every",
+            "2",
+            "--fail-at-step",
+            "5",
+            "--fail-rank",
+            "1",
+            "--summary-json",
+            str(summary_path),
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "rank 1: killed at step 5" in output
+    assert f"resumed from {tmp_path / 'ckpt' / 'step_000004'} at step 4" in output
+    summary, full = _summary(summary_path), runs["full"]
+    assert summary["ranks_agree"] is True
+    for key in ("steps", "skipped_steps", "final_loss", "final_scale", "eval_loss"):
+        assert summary[key] == full[key], key
