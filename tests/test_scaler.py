@@ -168,6 +168,29 @@ def test_call_order_mistake_raises_torch_error(mistake: Any) -> None:
     assert str(our_error.value) == str(torch_error.value)
 
 
+@pytest.mark.parametrize(
+    "mistake", [_unscale_twice, _unscale_after_step, _step_twice, _step_with_closure]
+)
+def test_call_order_mistake_leaves_scaler_usable(mistake: Any) -> None:
+    """After the error, finishing the iteration and training on works, with unchanged state."""
+    scaler = ShardedGradScaler(init_scale=8.0, growth_interval=2)
+    model, optimizer = _scaled_backward(scaler)
+    before = {k: v for k, v in scaler.state_dict().items()}
+    with pytest.raises(RuntimeError):
+        mistake(scaler, optimizer)
+    assert scaler.state_dict() == before
+    if mistake is _step_with_closure:
+        scaler.step(optimizer)
+    scaler.update()
+    for _ in range(2):
+        optimizer.zero_grad()
+        scaler.scale(model(torch.ones(2, 16)).mean()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    assert scaler.state_dict()["steps"] == 3
+    assert scaler.get_scale() == 16.0  # grew after two clean steps: the policy still runs
+
+
 @pytest.mark.parametrize("method", ["unscale_", "step", "update"])
 def test_call_before_scale_raises(method: str) -> None:
     scaler = ShardedGradScaler()
