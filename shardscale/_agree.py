@@ -1,5 +1,8 @@
 """Agreement: the one collective that makes every rank take the same skip/step decision.
 
+(And the rarer ones that check agreement, ``compare``: every collective the scaler issues lives
+here, bounded by the same timeout.)
+
 Invariant: every rank of the group sees the same ``found_inf`` before ``optimizer.step()``.
 
 Each rank folds its per-device flags into ONE float32 scalar on the group's communication
@@ -24,7 +27,7 @@ process group's own timeout (30 minutes by default).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 
 import torch
@@ -79,11 +82,6 @@ class Agreement:
     def process_group(self) -> dist.ProcessGroup | None:
         """The group given at construction (None: the default group)."""
         return self._requested
-
-    @property
-    def group(self) -> dist.ProcessGroup | None:
-        """The resolved group (None until ``world_size`` was first read with a group up)."""
-        return self._group
 
     @property
     def world_size(self) -> int:
@@ -159,6 +157,34 @@ class Agreement:
             raise RuntimeError(_NO_GRADS.format(world_size=world_size))
         # Some rank held gradients, so the maximum is 1 or 2: found_inf is exactly 0.0 or 1.0.
         return move(flag.sub_(1.0), device)
+
+    def compare(self, fields: Mapping[str, float], device: torch.device, step: int) -> None:
+        """Check that every rank holds the same ``fields``, in one all_gather.
+
+        Raises:
+            ShardScaleDistributedError: they differ (the message gives every rank's value of
+                each field that differs), or a rank did not arrive or left.
+        """
+        names = list(fields)
+        comm = self.comm_device(device)
+        mine = torch.tensor([float(fields[n]) for n in names], dtype=torch.float64, device=comm)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self.collective(
+            lambda async_op: dist.all_gather(gathered, mine, group=self._group, async_op=async_op),
+            step,
+            "their scaler states (verify_agreement's all_gather)",
+        )
+        rows = torch.stack(gathered).cpu()
+        differing = [i for i in range(len(names)) if not torch.all(rows[:, i] == rows[0, i])]
+        if differing:
+            details = "; ".join(
+                f"{names[i]}: "
+                + ", ".join(f"rank {r} = {rows[r, i].item():g}" for r in range(len(gathered)))
+                for i in differing
+            )
+            raise ShardScaleDistributedError(
+                f"step {step}: the scaler states of the {len(gathered)} ranks differ: {details}"
+            )
 
     def collective(self, start: Callable[[bool], dist.Work | None], step: int, what: str) -> None:
         """Run ``start(async_op)`` and wait for it, at most ``timeout``.

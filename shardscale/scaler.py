@@ -27,7 +27,7 @@ import torch.distributed as dist
 from shardscale._agree import Agreement
 from shardscale._check import check_and_unscale_
 from shardscale._devices import move
-from shardscale._errors import ShardScaleDistributedError, ShardScaleWarning
+from shardscale._errors import ShardScaleWarning
 from shardscale._grads import collect_local_grads, holds_elements, optimizer_params
 from shardscale._policy import ScalePolicy
 from shardscale._state import (
@@ -497,32 +497,9 @@ class ShardedGradScaler:
         """
         if not self._enabled or self._agreement.world_size == 1:
             return
-        fields = dict(to_state_dict(self._read_state()))
-        names = list(fields)
-        device = self._agreement.comm_device(
-            torch.device("cpu") if self._device_state is None else self._device_state.scale.device
-        )
-        mine = torch.tensor([float(fields[n]) for n in names], dtype=torch.float64, device=device)
-        gathered = [torch.empty_like(mine) for _ in range(self._agreement.world_size)]
-        self._agreement.collective(
-            lambda async_op: dist.all_gather(
-                gathered, mine, group=self._agreement.group, async_op=async_op
-            ),
-            self._steps,
-            "their scaler states (verify_agreement's all_gather)",
-        )
-        rows = torch.stack(gathered).cpu()
-        differing = [i for i, name in enumerate(names) if not torch.all(rows[:, i] == rows[0, i])]
-        if differing:
-            details = "; ".join(
-                f"{names[i]}: "
-                + ", ".join(f"rank {r} = {rows[r, i].item():g}" for r in range(len(gathered)))
-                for i in differing
-            )
-            raise ShardScaleDistributedError(
-                f"step {self._steps}: the scaler states of the {len(gathered)} ranks differ: "
-                f"{details}"
-            )
+        state = self._device_state
+        device = torch.device("cpu") if state is None else state.scale.device
+        self._agreement.compare(to_state_dict(self._read_state()), device, self._steps)
 
     # ------------------------------------------------------------------ state
 
