@@ -18,6 +18,7 @@ from torch import nn
 from shardscale import ShardedGradScaler, count_collectives
 from tests.harness import run_ranks
 from tests.setups import plant, step_and_report
+from tests.test_reliability import _rank_one_rank_never_arrives
 
 pytestmark = pytest.mark.gpu
 
@@ -192,29 +193,10 @@ def test_nccl_two_gpus_agree_at_one_collective() -> None:
     assert results == [{"skipped": True, "scale": 4.0, "collectives": 1}] * 2
 
 
-def _rank_nccl_never_arrives(rank: int, world_size: int) -> dict[str, Any]:
-    import time
-    from datetime import timedelta
-
-    from shardscale import ShardScaleDistributedError
-
-    model = _cuda_mlp()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    scaler = ShardedGradScaler(sync_timeout=timedelta(seconds=3))
-    scaler.scale(model(torch.randn(2, 16, device="cuda")).sum()).backward()
-    if rank == 1:
-        time.sleep(10)
-        return {"error": None}
-    start = time.monotonic()
-    try:
-        scaler.step(optimizer)
-    except ShardScaleDistributedError as error:
-        return {"error": str(error), "waited": time.monotonic() - start}
-    return {"error": "step() returned"}
-
-
 @pytest.mark.nccl
 def test_nccl_sync_timeout_missing_rank_raises() -> None:
-    waiting, _ = run_ranks(_rank_nccl_never_arrives, 2, backend="nccl", timeout_s=90)
+    waiting, _ = run_ranks(
+        _rank_one_rank_never_arrives, 2, "cuda", 3.0, backend="nccl", timeout_s=90
+    )
     assert waiting["error"].startswith("step 1: waited 3 s for all 2 ranks")
     assert waiting["waited"] < 15

@@ -16,14 +16,16 @@ from tests.harness import run_ranks
 from tests.setups import build, mlp, plant
 
 
-def _rank_one_rank_never_arrives(rank: int, world_size: int) -> dict[str, Any]:
+def _rank_one_rank_never_arrives(
+    rank: int, world_size: int, device: str = "cpu", seconds: float = 2.0
+) -> dict[str, Any]:
     """Rank 1 takes another code path and never calls step(); rank 0 must not hang."""
-    model = mlp()
+    model = mlp().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = ShardedGradScaler(sync_timeout=timedelta(seconds=2))
-    scaler.scale(model(torch.ones(2, 16)).sum()).backward()
+    scaler = ShardedGradScaler(sync_timeout=timedelta(seconds=seconds))
+    scaler.scale(model(torch.ones(2, 16, device=device)).sum()).backward()
     if rank == 1:
-        time.sleep(8)  # then returns without ever joining
+        time.sleep(4 * seconds)  # then returns without ever joining
         return {"error": None}
     start = time.monotonic()
     try:
