@@ -23,6 +23,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -202,3 +203,9 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
+    # The job is done and its outputs are written. torch 2.13 sometimes aborts while tearing
+    # down its C++ state at interpreter exit ("terminate called without an active exception";
+    # ~1 run in 8 with 3 ranks on 2 cores), which torchrun reports as a failed job: skip that.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

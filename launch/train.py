@@ -547,3 +547,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     main()
+    # The job is done and its outputs are written. torch 2.13 sometimes aborts while tearing
+    # down its C++ state at interpreter exit ("terminate called without an active exception";
+    # ~1 run in 8 with 3 ranks on 2 cores), which torchrun reports as a failed job: skip that.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
