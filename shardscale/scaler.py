@@ -592,7 +592,7 @@ class ShardedGradScaler:
             self._warned_at_floor = True
             warnings.warn(
                 f"the loss scale has backed off to min_scale={self.policy.min_scale} (by step "
-                f"{int(device_state.counters[0].item())}) and cannot go lower: steps that still "
+                f"{self._steps}) and cannot go lower: steps that still "
                 "overflow are skipped and the scale holds. Gradients that are non-finite even "
                 "at this scale usually mean a NaN/inf in the model or the loss.",
                 ShardScaleWarning,
