@@ -18,7 +18,6 @@ that differs across ranks). Exits non-zero unless there are none.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -30,9 +29,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from replicas import local_grad_shards, ranks_agree, state_digest
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.tensor import DTensor
 
 from shardscale import ShardedGradScaler, ShardScaleDistributedError
 
@@ -69,34 +67,9 @@ def _model(kind: str, seed: int) -> nn.Module:
 @torch.no_grad()
 def _plant(optimizer: torch.optim.Optimizer, value: float, choice: random.Random) -> None:
     """Write ``value`` into a random element of a random local gradient shard of this rank."""
-    shards = []
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param.grad is not None:
-                grad = param.grad
-                local = grad.to_local() if isinstance(grad, DTensor) else grad
-                if local.numel():
-                    shards.append(local)
+    shards = list(local_grad_shards(optimizer))
     shard = choice.choice(shards)
     shard.view(-1)[choice.randrange(shard.numel())] = value
-
-
-def _digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    digest = hashlib.sha256()
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    for name in sorted(full):
-        value = full[name]
-        value = value.full_tensor() if isinstance(value, DTensor) else value
-        digest.update(bytes(value.detach().reshape(-1).contiguous().view(torch.uint8).tolist()))
-    steps = sorted({float(state["step"]) for state in optimizer.state.values() if "step" in state})
-    digest.update(repr(steps).encode())
-    return torch.tensor(list(digest.digest()), dtype=torch.int64)
-
-
-def _agree_everywhere(digest: torch.Tensor) -> bool:
-    gathered = [torch.empty_like(digest) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, digest)
-    return all(torch.equal(gathered[0], other) for other in gathered)
 
 
 def soak(args: argparse.Namespace) -> dict[str, Any]:
@@ -150,7 +123,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             except ShardScaleDistributedError as error:
                 report["divergences"] += 1
                 print(f"rank {rank}: {error}", flush=True)
-            if not _agree_everywhere(_digest(model, optimizer)):
+            if not ranks_agree(state_digest(model, optimizer)):
                 report["divergences"] += 1
                 print(f"rank {rank} step {step}: parameters or step counters differ", flush=True)
     report["elapsed_s"] = time.perf_counter() - started

@@ -17,7 +17,6 @@ element of rank R's gradient shard every K steps, to show every rank skip togeth
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -34,9 +33,8 @@ import torch
 import torch.distributed as dist
 from lm_data import Batches, build_corpus
 from lm_model import GPT, Block, GPTConfig, lm_loss
+from replicas import local_grad_shards, ranks_agree, state_digest
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.tensor import DTensor
 
 from shardscale import ShardedGradScaler
 
@@ -216,13 +214,9 @@ def _make_scaler(args: argparse.Namespace) -> ShardedGradScaler:
 def _zero_fraction(optimizer: torch.optim.Optimizer, device: torch.device) -> float:
     """The fraction of gradient elements, over all ranks, that are exactly zero."""
     counts = torch.zeros(2, dtype=torch.float64, device=device)
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param.grad is not None:
-                grad = param.grad
-                local = grad.to_local() if isinstance(grad, DTensor) else grad
-                counts[0] += (local == 0).sum()
-                counts[1] += local.numel()
+    for shard in local_grad_shards(optimizer):
+        counts[0] += (shard == 0).sum()
+        counts[1] += shard.numel()
     dist.all_reduce(counts)
     return float(counts[0] / counts[1]) if counts[1] else 0.0
 
@@ -230,15 +224,9 @@ def _zero_fraction(optimizer: torch.optim.Optimizer, device: torch.device) -> fl
 @torch.no_grad()
 def _plant_inf(optimizer: torch.optim.Optimizer) -> None:
     """Write an inf into one element of this rank's local gradient shard."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            grad = param.grad
-            if grad is None:
-                continue
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            if local.numel():
-                local.view(-1)[0] = math.inf
-                return
+    for shard in local_grad_shards(optimizer):
+        shard.view(-1)[0] = math.inf
+        return
 
 
 # ------------------------------------------------------------------ what a user sees
@@ -272,29 +260,6 @@ class Progress:
     def close(self) -> None:
         if self.tty:
             print(flush=True)
-
-
-def _state_digest(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scaler: ShardedGradScaler
-) -> torch.Tensor:
-    """A digest of the full parameters, the optimizer step counters and the scaler state."""
-    digest = hashlib.sha256()
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    for name in sorted(full):
-        value = full[name]
-        value = value.full_tensor() if isinstance(value, DTensor) else value
-        digest.update(name.encode())
-        raw = value.detach().float().cpu().reshape(-1).contiguous().view(torch.uint8)
-        digest.update(bytes(raw.tolist()))
-    steps = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
-    digest.update(repr((sorted(set(steps)), sorted(scaler.state_dict().items()))).encode())
-    return torch.tensor(list(digest.digest()), dtype=torch.int64)
-
-
-def _ranks_agree(digest: torch.Tensor) -> bool:
-    gathered = [torch.empty_like(digest) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, digest)
-    return all(torch.equal(gathered[0], other) for other in gathered)
 
 
 def _plot(path: Path, history: list[dict[str, Any]], title: str) -> None:
@@ -452,7 +417,7 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         checkpointing.save(args.checkpoint_dir, final_step, state)
 
     eval_loss = _evaluate(model, batches, args.eval_batches, device, autocast_dtype)
-    agree = _ranks_agree(_state_digest(model, optimizer, scaler))
+    agree = ranks_agree(state_digest(model, optimizer, repr(sorted(scaler.state_dict().items()))))
     scaler_state = scaler.state_dict()
     return {
         "steps": final_step,
