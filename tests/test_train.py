@@ -51,9 +51,9 @@ def _env() -> dict[str, str]:
 
 
 def torchrun(
-    nproc: int, *args: str, rdzv: list[str] | None = None, check: bool = True
+    nproc: int, *args: str, launcher: list[str] | None = None, check: bool = True
 ) -> subprocess.CompletedProcess[str]:
-    launcher = rdzv or ["--standalone"]
+    launcher = launcher or ["--standalone"]
     command = [
         sys.executable,
         "-m",
@@ -304,37 +304,22 @@ def test_train_rank_killed_torchrun_restarts_and_resumes_intact(
     """Rank 1 is killed (SIGKILL) at step 5; torchrun restarts the job, which resumes from the
     step-4 checkpoint and ends exactly where the uninterrupted run does."""
     summary_path = tmp_path / "summary.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--max-restarts",
-            "1",
-            "--nproc-per-node",
-            "2",
-            TRAIN,
-            *JOB,
-            "--checkpoint-dir",
-            str(tmp_path / "ckpt"),
-            "--checkpoint-every",
-            "2",
-            "--fail-at-step",
-            "5",
-            "--fail-rank",
-            "1",
-            "--summary-json",
-            str(summary_path),
-        ],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = torchrun(
+        2,
+        *JOB,
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--checkpoint-every",
+        "2",
+        "--fail-at-step",
+        "5",
+        "--fail-rank",
+        "1",
+        "--summary-json",
+        str(summary_path),
+        launcher=["--standalone", "--max-restarts", "1"],
     )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
+    output = result.stdout + result.stderr  # torchrun() has checked the exit status
     assert "rank 1: killed at step 5" in output
     assert f"resumed from {tmp_path / 'ckpt' / 'step_000004'} at step 4" in output
     summary, full = _summary(summary_path), runs["full"]
