@@ -26,7 +26,14 @@ import torch
 
 from shardscale._policy import ScalePolicy, ScaleState
 
-__all__ = ["Counters", "DeviceState", "ScalerState", "parse_state_dict", "to_state_dict"]
+__all__ = [
+    "Counters",
+    "DeviceState",
+    "ScalerState",
+    "parse_state_dict",
+    "to_state_dict",
+    "unpack",
+]
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 OUR_KEYS = (
@@ -38,6 +45,7 @@ OUR_KEYS = (
     "steps",
     "skipped_steps",
     "consecutive_skips",
+    "last_overflow_step",
 )
 
 
@@ -51,6 +59,8 @@ class Counters:
     """Of those, the steps skipped because some rank overflowed."""
     consecutive_skips: int = 0
     """Skipped steps since the last step taken."""
+    last_overflow_step: int = 0
+    """The number (1-based) of the last skipped step; 0 if none was skipped."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +87,9 @@ class DeviceState:
     hysteresis_tracker: torch.Tensor
     """int32 scalar."""
     counters: torch.Tensor
-    """float64 ``[steps, skipped_steps, consecutive_skips]`` (exact to 2**53 steps)."""
+    """float64 ``[steps, skipped_steps, consecutive_skips, steps_since_overflow]`` (exact to
+    2**53 steps). The last slot, rather than the last overflow's step number, because it
+    updates with the same multiply-add as the others."""
 
     @classmethod
     def create(cls, state: ScalerState, device: torch.device) -> DeviceState:
@@ -86,7 +98,7 @@ class DeviceState:
             scale=torch.empty((), dtype=torch.float32, device=device),
             growth_tracker=torch.empty((), dtype=torch.int32, device=device),
             hysteresis_tracker=torch.empty((), dtype=torch.int32, device=device),
-            counters=torch.zeros(3, dtype=torch.float64, device=device),
+            counters=torch.zeros(4, dtype=torch.float64, device=device),
         )
         device_state.write(state)
         return device_state
@@ -97,7 +109,8 @@ class DeviceState:
         self.growth_tracker.fill_(state.scale.growth_tracker)
         self.hysteresis_tracker.fill_(state.scale.hysteresis_tracker)
         counters = state.counters
-        values = (counters.steps, counters.skipped_steps, counters.consecutive_skips)
+        since = counters.steps - counters.last_overflow_step
+        values = (counters.steps, counters.skipped_steps, counters.consecutive_skips, since)
         self.counters.copy_(torch.tensor(values, dtype=torch.float64))
 
     def count_step_(self, found_inf: torch.Tensor) -> None:
@@ -105,31 +118,52 @@ class DeviceState:
 
         Counted on the device, not the host, so the counts stay right when step+update is
         replayed from a CUDA graph. In four tiny kernels: with s = found_inf,
-        ``counters = counters * [1, 1, s] + [1, s, s]``.
+        ``counters = counters * [1, 1, s, 1 - s] + [1, s, s, 1 - s]``.
         """
         keep, on_skip_keep, base, on_skip_add = _count_constants(self.counters.device)
-        multiplier = torch.addcmul(keep, found_inf, on_skip_keep)  # [1, 1, s]
-        increment = torch.addcmul(base, found_inf, on_skip_add)  # [1, s, s]
+        multiplier = torch.addcmul(keep, found_inf, on_skip_keep)  # [1, 1, s, 1 - s]
+        increment = torch.addcmul(base, found_inf, on_skip_add)  # [1, s, s, 1 - s]
         self.counters.mul_(multiplier).add_(increment)
 
-    def read(self, policy: ScalePolicy) -> ScalerState:
-        """The state as host values (a host synchronisation on an accelerator)."""
-        steps, skipped, consecutive = (int(v) for v in self.counters.tolist())
-        return ScalerState(
-            policy=policy,
-            scale=ScaleState(
-                scale=float(self.scale.item()),
-                growth_tracker=int(self.growth_tracker.item()),
-                hysteresis_tracker=int(self.hysteresis_tracker.item()),
-            ),
-            counters=Counters(steps=steps, skipped_steps=skipped, consecutive_skips=consecutive),
+    def packed(self) -> torch.Tensor:
+        """``[scale, growth_tracker, hysteresis_tracker, *counters]`` as one float64 tensor.
+
+        One host read then gets everything (``read``, and the step reports).
+        """
+        return torch.cat(
+            (
+                self.scale.double().reshape(1),
+                self.growth_tracker.double().reshape(1),
+                self.hysteresis_tracker.double().reshape(1),
+                self.counters,
+            )
         )
+
+    def read(self, policy: ScalePolicy) -> ScalerState:
+        """The state as host values: one host read (a synchronisation on an accelerator)."""
+        scale, counters = unpack(self.packed().tolist())
+        return ScalerState(policy=policy, scale=scale, counters=counters)
+
+
+def unpack(values: list[float]) -> tuple[ScaleState, Counters]:
+    """The host values of ``DeviceState.packed()``."""
+    scale, growth, hysteresis, steps, skipped, consecutive, since = values
+    counters = Counters(
+        steps=int(steps),
+        skipped_steps=int(skipped),
+        consecutive_skips=int(consecutive),
+        last_overflow_step=int(steps - since) if skipped else 0,
+    )
+    scale_state = ScaleState(
+        scale=scale, growth_tracker=int(growth), hysteresis_tracker=int(hysteresis)
+    )
+    return scale_state, counters
 
 
 @functools.cache
 def _count_constants(device: torch.device) -> tuple[torch.Tensor, ...]:
     """The constant vectors of ``DeviceState.count_step_``, made once per device."""
-    rows = ([1, 1, 0], [0, 0, 1], [1, 0, 0], [0, 1, 1])
+    rows = ([1, 1, 0, 1], [0, 0, 1, -1], [1, 0, 0, 1], [0, 1, 1, -1])
     return tuple(torch.tensor(row, dtype=torch.float64, device=device) for row in rows)
 
 
@@ -150,6 +184,7 @@ def to_state_dict(state: ScalerState) -> dict[str, Any]:
         "steps": state.counters.steps,
         "skipped_steps": state.counters.skipped_steps,
         "consecutive_skips": state.counters.consecutive_skips,
+        "last_overflow_step": state.counters.last_overflow_step,
     }
 
 
@@ -232,7 +267,7 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> Sca
         counters = Counters(
             **{
                 key: _number(key, state_dict[key], int)
-                for key in ("steps", "skipped_steps", "consecutive_skips")
+                for key in ("steps", "skipped_steps", "consecutive_skips", "last_overflow_step")
             }
         )
     # ScalePolicy validates the settings; the scale itself is checked by check_state below, so
@@ -249,6 +284,15 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> Sca
         raise ValueError(
             "state_dict counters must satisfy 0 <= consecutive_skips <= skipped_steps <= steps, "
             f"got consecutive_skips={counters.consecutive_skips}, "
+            f"skipped_steps={counters.skipped_steps}, steps={counters.steps}"
+        )
+    if not (
+        (counters.skipped_steps == 0 and counters.last_overflow_step == 0)
+        or (counters.skipped_steps > 0 and 1 <= counters.last_overflow_step <= counters.steps)
+    ):
+        raise ValueError(
+            "state_dict['last_overflow_step'] must be 0 when no step was skipped, else in "
+            f"[1, steps]; got last_overflow_step={counters.last_overflow_step}, "
             f"skipped_steps={counters.skipped_steps}, steps={counters.steps}"
         )
     return ScalerState(

@@ -96,6 +96,7 @@ def scaler_states(draw: st.DrawFn) -> dict[str, Any]:
         "steps": steps,
         "skipped_steps": skipped,
         "consecutive_skips": draw(st.integers(0, skipped)),
+        "last_overflow_step": draw(st.integers(1, steps)) if skipped else 0,
     }
 
 

@@ -451,6 +451,11 @@ _GOOD = ShardedGradScaler(init_scale=8.0, growth_interval=4, hysteresis=2).state
             ValueError,
             r"consecutive_skips <= skipped_steps <= steps",
         ),
+        (
+            {**_GOOD, "last_overflow_step": 1},
+            ValueError,
+            r"last_overflow_step'\] must be 0 when no step was skipped.*got last_overflow_step=1",
+        ),
         ([("scale", 1.0)], TypeError, r"state_dict must be a mapping, got list"),
     ],
 )
