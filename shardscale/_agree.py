@@ -27,6 +27,7 @@ process group's own timeout (30 minutes by default).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 
@@ -158,6 +159,52 @@ class Agreement:
         # Some rank held gradients, so the maximum is 1 or 2: found_inf is exactly 0.0 or 1.0.
         return move(flag.sub_(1.0), device)
 
+    def agree_with_norm(
+        self,
+        local_flags: list[torch.Tensor],
+        holds_grads: bool,
+        norm_power: torch.Tensor,
+        norm_type: float,
+        device: torch.device,
+        step: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`agree`, carrying a gradient norm's partial sums in the same collective.
+
+        The payload is ``[holds gradients, overflowed, norm_power]``: SUMmed for a finite
+        p-norm (the flags become counts; ``found_inf = overflowed > 0`` stays exactly 0/1), and
+        MAXed for the inf-norm, whose partial results combine by max.
+
+        Args:
+            norm_power: this rank's float32 share (``_clip.local_norm_power``).
+
+        Returns:
+            ``(found_inf, total_norm)`` on ``device``. ``total_norm`` is non-finite on every
+            rank when any rank overflowed.
+        """
+        comm = self.comm_device(device)
+        overflowed = self._local_max(local_flags, comm) if local_flags else _zero(comm)
+        payload = torch.stack(
+            (_zero(comm).add_(1.0 if holds_grads else 0.0), overflowed, move(norm_power, comm))
+        )
+        if self.world_size > 1:
+            op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+            self.collective(
+                lambda async_op: dist.all_reduce(
+                    payload, op=op, group=self._group, async_op=async_op
+                ),
+                step,
+                "the overflow flag and gradient norm (all_reduce)",
+            )
+        if not holds_grads and payload[0].item() == 0.0:  # only ranks without gradients ask
+            raise RuntimeError(_NO_GRADS.format(world_size=self.world_size))
+        found_inf = (payload[1] > 0).float()
+        total = payload[2] if math.isinf(norm_type) else payload[2].pow(1.0 / norm_type)
+        # An overflow must show in the norm on every rank, whatever the sums made of it.
+        total = torch.where(
+            (found_inf > 0) & total.isfinite(), torch.full_like(total, math.inf), total
+        )
+        return move(found_inf, device), move(total, device)
+
     def compare(self, fields: Mapping[str, float], device: torch.device, step: int) -> None:
         """Check that every rank holds the same ``fields``, in one all_gather.
 
@@ -218,3 +265,7 @@ class Agreement:
         if len(local_flags) == 1:
             return move(local_flags[0], device)
         return torch.stack([move(flag, device) for flag in local_flags]).amax()
+
+
+def _zero(device: torch.device) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float32, device=device)

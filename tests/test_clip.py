@@ -1,0 +1,269 @@
+"""clip_grad_norm_: the global norm over shards, replicas counted once, in the step's one collective."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from shardscale import ShardedGradScaler, count_collectives
+from tests.harness import run_ranks
+from tests.setups import build, mlp, plant
+
+CLIP_KINDS = ("plain", "ddp", "fsdp1", "fsdp1_orig", "fsdp2", "hsdp_replicated", "tp")
+SCALE = 2.0**10
+
+
+def _build(kind: str, flavour: str, world_size: int) -> Any:
+    if kind != "hsdp_replicated":
+        return build(kind, flavour, world_size)
+    # HSDP with every rank a replica (mesh replicate=world_size, shard=1): a norm that summed
+    # the shards of every rank would count each gradient world_size times.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    setup = build("plain", flavour, world_size)
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard"))
+    fully_shard(setup.model, mesh=mesh)
+    options = {
+        "for-loop": {"foreach": False},
+        "foreach": {"foreach": True},
+        "fused": {"fused": True},
+    }
+    setup.optimizer = torch.optim.AdamW(setup.model.parameters(), lr=0.05, **options[flavour])
+    setup.kind = "hsdp"
+    return setup
+
+
+def _full_grads(model: nn.Module) -> list[torch.Tensor]:
+    """Every original parameter's whole gradient, gathered from the shards."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if isinstance(model, FSDP):
+        if any(getattr(p, "_is_flat_param", False) for p in model.parameters()):
+            # summon_full_params cannot bring flat gradients: gather the shards (zero padding
+            # changes no norm)
+            return [_gathered(p.grad) for p in model.parameters() if p.grad is not None]
+        with FSDP.summon_full_params(model, with_grads=True):
+            return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+    grads = []
+    for param in model.parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor):
+            grad = grad.full_tensor()
+        grads.append(grad.detach().clone())
+    return grads
+
+
+def _gathered(shard: torch.Tensor) -> torch.Tensor:
+    parts = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, shard.contiguous())
+    return torch.cat(parts)
+
+
+def _rank_clip(
+    rank: int, world_size: int, kind: str, flavour: str, max_norm: float, norm_type: float
+) -> dict[str, Any]:
+    setup = _build(kind, flavour, world_size)
+    scaler = ShardedGradScaler(init_scale=SCALE)
+    scaler.scale(setup.loss(0, rank)).backward()
+    expected = torch.linalg.vector_norm(
+        torch.stack(
+            [
+                torch.linalg.vector_norm(g.float() / SCALE, norm_type)
+                for g in _full_grads(setup.model)
+            ]
+        ),
+        norm_type,
+    ).item()
+    with count_collectives() as counts:
+        norm = scaler.clip_grad_norm_(setup.model.parameters(), max_norm, norm_type)
+        scaler.step(setup.optimizer)
+        scaler.update()
+    return {
+        "norm": norm.item(),
+        "expected": expected,
+        "collectives": sum(counts.values()),
+        "skipped": scaler.last_step_skipped,
+    }
+
+
+def _rank_clipped_grads(rank: int, world_size: int, kind: str, max_norm: float) -> dict[str, Any]:
+    """After the clip, the full gradient equals the unscaled one times max_norm / norm."""
+    setup = _build(kind, "for-loop", world_size)
+    scaler = ShardedGradScaler(init_scale=SCALE)
+    scaler.scale(setup.loss(0, rank)).backward()
+    before = [g / SCALE for g in _full_grads(setup.model)]
+    norm = scaler.clip_grad_norm_(setup.model.parameters(), max_norm).item()
+    after = _full_grads(setup.model)
+    factor = min(1.0, max_norm / (norm + 1e-6))
+    return {
+        "factor": factor,
+        "max_error": max(
+            (a - b * factor).abs().max().item() for a, b in zip(after, before, strict=True)
+        ),
+    }
+
+
+@pytest.mark.parametrize("kind", CLIP_KINDS)
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_clip_norm_is_global_over_shards_and_costs_one_collective(
+    kind: str, norm_type: float
+) -> None:
+    results = run_ranks(_rank_clip, 2, kind, "foreach", 1e-3, norm_type)
+    for result in results:
+        assert result["norm"] == pytest.approx(result["expected"], rel=1e-5)
+        assert result["collectives"] == 1
+        assert not result["skipped"]
+    assert results[0]["norm"] == results[1]["norm"]  # bit-identical on every rank
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp1", "fsdp2", "hsdp_replicated"])
+def test_clip_scales_every_shard_by_the_global_factor(kind: str) -> None:
+    for result in run_ranks(_rank_clipped_grads, 2, kind, 1e-3):
+        assert result["factor"] < 1.0  # it did clip
+        assert result["max_error"] < 1e-7
+
+
+@pytest.mark.parametrize("flavour", ["for-loop", "fused"])
+def test_clip_world_of_one_matches_torch(flavour: str, world_of_one: Any) -> None:
+    ours, theirs = build("plain", flavour, 1), build("plain", flavour, 1)
+    scaler = ShardedGradScaler(init_scale=SCALE)
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    for step in range(3):
+        for setup, s in ((ours, scaler), (theirs, torch_scaler)):
+            setup.optimizer.zero_grad()
+            s.scale(setup.loss(step, 0)).backward()
+        with count_collectives() as counts:
+            norm = scaler.clip_grad_norm_(ours.model.parameters(), 0.01)
+            scaler.step(ours.optimizer)
+            scaler.update()
+        torch_scaler.unscale_(theirs.optimizer)
+        torch_norm = torch.nn.utils.clip_grad_norm_(theirs.model.parameters(), 0.01)
+        torch_scaler.step(theirs.optimizer)
+        torch_scaler.update()
+        assert norm.item() == pytest.approx(torch_norm.item(), rel=1e-6)
+        assert sum(counts.values()) == 0  # world size 1: no collective
+    for a, b in zip(ours.model.parameters(), theirs.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _rank_clip_overflow(rank: int, world_size: int, kind: str, flavour: str) -> dict[str, Any]:
+    setup = build(kind, flavour, world_size)
+    scaler = ShardedGradScaler(init_scale=SCALE)
+    scaler.scale(setup.loss(0, rank)).backward()
+    if rank == 1:
+        plant(setup.optimizer, math.nan)
+    before = [p.detach().clone() for p in setup.model.parameters()]
+    with count_collectives() as counts:
+        norm = scaler.clip_grad_norm_(setup.model.parameters(), 1.0)
+        scaler.step(setup.optimizer)
+        scaler.update()
+    unchanged = all(
+        torch.equal(a, b.detach()) for a, b in zip(before, setup.model.parameters(), strict=True)
+    )
+    return {
+        "finite": math.isfinite(norm.item()),
+        "skipped": scaler.last_step_skipped,
+        "unchanged": unchanged,
+        "scale": scaler.get_scale(),
+        "collectives": sum(counts.values()),
+    }
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp1", "fsdp2"])
+@pytest.mark.parametrize("flavour", ["for-loop", "fused"])
+def test_clip_overflow_on_one_rank_is_nonfinite_and_skipped_everywhere(
+    kind: str, flavour: str
+) -> None:
+    results = run_ranks(_rank_clip_overflow, 2, kind, flavour)
+    expected = {
+        "finite": False,
+        "skipped": True,
+        "unchanged": True,
+        "scale": SCALE / 2,
+        "collectives": 1,
+    }
+    assert results == [expected, expected]
+
+
+def _rank_unscale_then_clip(rank: int, world_size: int) -> dict[str, Any]:
+    setup = build("fsdp2", "for-loop", world_size)
+    scaler = ShardedGradScaler(init_scale=SCALE)
+    scaler.scale(setup.loss(0, rank)).backward()
+    expected = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g / SCALE) for g in _full_grads(setup.model)])
+    ).item()
+    with count_collectives() as counts:
+        scaler.unscale_(setup.optimizer)
+        norm = scaler.clip_grad_norm_(setup.model.parameters(), 1e-3)  # must not unscale again
+        scaler.step(setup.optimizer)
+        scaler.update()
+    return {"norm": norm.item(), "expected": expected, "collectives": sum(counts.values())}
+
+
+def test_clip_after_unscale_exchanges_only_the_norm() -> None:
+    for result in run_ranks(_rank_unscale_then_clip, 2):
+        assert result["norm"] == pytest.approx(result["expected"], rel=1e-5)
+        assert result["collectives"] == 2  # the torch order: unscale_'s flag, then the norm
+
+
+def _clip_setup() -> tuple[ShardedGradScaler, nn.Module, torch.optim.Optimizer]:
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ShardedGradScaler(init_scale=SCALE)
+    scaler.scale(model(torch.ones(2, 16)).sum()).backward()
+    return scaler, model, optimizer
+
+
+def test_clip_twice_raises() -> None:
+    scaler, model, _ = _clip_setup()
+    scaler.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(RuntimeError, match=r"clip_grad_norm_\(\) has already been called"):
+        scaler.clip_grad_norm_(model.parameters(), 1.0)
+
+
+def test_clip_part_of_an_optimizers_params_then_step_raises() -> None:
+    scaler, model, optimizer = _clip_setup()
+    scaler.clip_grad_norm_(model[0].parameters(), 1.0)
+    with pytest.raises(RuntimeError, match="some, but not all, of this optimizer's gradients"):
+        scaler.step(optimizer)
+
+
+def test_clip_before_scale_raises() -> None:
+    scaler = ShardedGradScaler()
+    with pytest.raises(RuntimeError, match="Attempted clip_grad_norm_ but _scale is None"):
+        scaler.clip_grad_norm_(mlp().parameters(), 1.0)
+
+
+@pytest.mark.parametrize(
+    ("max_norm", "norm_type", "error", "match"),
+    [
+        (0.0, 2.0, ValueError, r"max_norm must be a finite number > 0, got 0.0"),
+        (math.inf, 2.0, ValueError, r"max_norm must be a finite number > 0, got inf"),
+        (1.0, -1.0, ValueError, r"norm_type must be > 0 \(or math.inf\), got -1.0"),
+        ("1", 2.0, TypeError, r"max_norm must be a number, got str"),
+    ],
+)
+def test_clip_bad_arguments_raise(
+    max_norm: Any, norm_type: Any, error: type[Exception], match: str
+) -> None:
+    scaler, model, _ = _clip_setup()
+    with pytest.raises(error, match=match):
+        scaler.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+
+
+def test_clip_disabled_scaler_clips_like_torch() -> None:
+    model, reference = mlp(), mlp()
+    for m in (model, reference):
+        m(torch.ones(2, 16)).sum().backward()
+    norm = ShardedGradScaler(enabled=False).clip_grad_norm_(model.parameters(), 0.1)
+    torch_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+    assert norm.item() == pytest.approx(torch_norm.item(), rel=1e-6)
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
