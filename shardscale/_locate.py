@@ -1,0 +1,168 @@
+"""Which parameters overflowed, on which rank: named as in the user's original model.
+
+A sharded model hides its parameters behind wrappers: DDP's ``module.``, FSDP1's
+``_fsdp_wrapped_module.`` and flat parameters (one ``_flat_param`` holding many original
+parameters, each rank a slice of it), activation checkpointing's ``_checkpoint_wrapped_module.``,
+``torch.compile``'s ``_orig_mod.``, FSDP2's DTensors. Each rank counts the infs and NaNs in the
+gradient elements it holds, per original parameter (an FSDP1 flat shard is cut back into the
+original parameters by the offsets FSDP records), and one ``all_gather_object`` gives every rank
+the same list.
+
+This costs host reads and a collective, so the scaler runs it only on steps every rank already
+agreed overflowed (``locate_overflow=True``): clean steps pay nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = ["NonFiniteGrad", "find_nonfinite_grads", "locate", "optimizer_named_params"]
+
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+_FLAT_PARAM = "_flat_param"
+_DDP_PREFIX = "module."
+
+
+@dataclass(frozen=True, slots=True)
+class NonFiniteGrad:
+    """Non-finite gradient elements of one parameter, as held by one rank."""
+
+    rank: int
+    """The global rank holding them."""
+    name: str
+    """The parameter's fully-qualified name in the original model (no wrapper prefixes)."""
+    num_inf: int
+    """How many of this rank's elements of the gradient are +-inf."""
+    num_nan: int
+    """How many are NaN."""
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.name} ({self.num_inf} inf, {self.num_nan} NaN)"
+
+
+def clean_name(name: str) -> str:
+    """``name`` without the wrapper modules' prefixes."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The user's model inside DDP / ``torch.compile`` wrappers (whose names add a prefix)."""
+    while True:
+        inner = getattr(module, "_orig_mod", None)
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            inner = module.module
+        if not isinstance(inner, nn.Module):
+            return module
+        module = inner
+
+
+def _local_values(grad: torch.Tensor) -> torch.Tensor:
+    if isinstance(grad, DTensor):
+        grad = grad._local_tensor
+    if grad.is_sparse:
+        # duplicates are summed by coalescing, and that sum is what may overflow
+        grad = (grad if grad.is_coalesced() else grad.coalesce())._values()
+    return grad
+
+
+def _pieces(name: str, param: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """(original name, local gradient elements) for ``param``; a flat parameter gives many."""
+    grad = param.grad
+    if grad is None:
+        return
+    local = _local_values(grad)
+    if not getattr(param, "_is_flat_param", False):
+        yield clean_name(name), local
+        return
+    prefix = name[: -len(_FLAT_PARAM)] if name.endswith(_FLAT_PARAM) else f"{name}."
+    flat = local.reshape(-1)
+    for fqn, info in zip(param._fqns, param._shard_param_infos, strict=True):  # type: ignore[attr-defined]
+        if info.in_shard:
+            start = info.offset_in_shard
+            yield clean_name(prefix + fqn), flat[start : start + info.numel_in_shard]
+
+
+def optimizer_named_params(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, torch.Tensor]]:
+    """The optimizer's parameters with names: its ``param_names`` if it was built from
+    ``model.named_parameters()``, else their positions, ``param_groups[g][i]``.
+
+    Built from a DDP model, every name starts with DDP's ``module.``: it is dropped then.
+    """
+    named = [
+        (
+            names[i]
+            if (names := group.get("param_names")) is not None
+            else f"param_groups[{g}][{i}]",
+            param,
+        )
+        for g, group in enumerate(optimizer.param_groups)
+        for i, param in enumerate(group["params"])
+    ]
+    if named and all(name.startswith(_DDP_PREFIX) for name, _ in named):
+        named = [(name[len(_DDP_PREFIX) :], param) for name, param in named]
+    return iter(named)
+
+
+def locate(
+    named_params: Iterable[tuple[str, torch.Tensor]], process_group: dist.ProcessGroup | None
+) -> list[NonFiniteGrad]:
+    """Count non-finite local gradient elements per original parameter; gather over the group.
+
+    Returns the same list on every rank: by rank, then in parameter order.
+    """
+    pieces = [piece for name, param in named_params for piece in _pieces(name, param)]
+    counted = [(name, values) for name, values in pieces if values.numel() > 0]
+    mine: list[NonFiniteGrad] = []
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    if counted:
+        with torch.no_grad():
+            counts = torch.stack(
+                [
+                    torch.stack((torch.isinf(v).sum(), torch.isnan(v).sum())).cpu()
+                    for _, v in counted
+                ]
+            ).tolist()  # one host read for all of them
+        mine = [
+            NonFiniteGrad(rank=rank, name=name, num_inf=int(infs), num_nan=int(nans))
+            for (name, _), (infs, nans) in zip(counted, counts, strict=True)
+            if infs or nans
+        ]
+    if not distributed or dist.get_world_size(process_group) == 1:
+        return mine
+    gathered: list[list[NonFiniteGrad] | None] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(gathered, mine, group=process_group)
+    return [record for records in gathered for record in records or ()]
+
+
+def find_nonfinite_grads(
+    module: nn.Module, process_group: dist.ProcessGroup | None = None
+) -> list[NonFiniteGrad]:
+    """Which parameters of ``module`` hold inf/NaN gradient elements, on which rank.
+
+    Works for plain modules, DDP, FSDP1 (flat parameters, ``use_orig_params`` either way: the
+    flat shard is cut back into the original parameters), FSDP2/DTensor (each rank counts its
+    local shard) and sparse gradients. Names are the original model's fully-qualified names,
+    without ``module.``, ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``,
+    ``_orig_mod.`` or ``_flat_param``.
+
+    A collective when the process group has more than one rank: call it on every rank of
+    ``process_group`` (None: the default group). Counts whatever the gradients hold now, scaled
+    or not (scaling changes no element's finiteness).
+
+    Returns:
+        :class:`NonFiniteGrad` records (``rank``, ``name``, ``num_inf``, ``num_nan``) for every
+        (rank, parameter) with a non-finite element, identical on every rank, by rank then in
+        parameter order. Empty when every gradient is finite.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    return locate(_unwrapped(module).named_parameters(), process_group)
