@@ -1,18 +1,24 @@
 """shardscale: a sharded gradient scaler whose ranks always agree, at one collective per step."""
 
-from shardscale._errors import ShardScaleDistributedError, ShardScaleWarning
+from shardscale._errors import ShardScaleDistributedError, ShardScaleSkipError, ShardScaleWarning
+from shardscale._locate import NonFiniteGrad, find_nonfinite_grads
 from shardscale._policy import ScalePolicy, ScaleState
 from shardscale._profiling import count_collectives
+from shardscale._report import ScalerStats
 from shardscale.scaler import ShardedGradScaler
 
 __all__ = [
+    "NonFiniteGrad",
     "ScalePolicy",
     "ScaleState",
+    "ScalerStats",
     "ShardScaleDistributedError",
+    "ShardScaleSkipError",
     "ShardScaleWarning",
     "ShardedGradScaler",
     "__version__",
     "count_collectives",
+    "find_nonfinite_grads",
 ]
 
 __version__ = "0.1.0"

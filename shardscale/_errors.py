@@ -7,7 +7,7 @@ get types of their own.
 
 from __future__ import annotations
 
-__all__ = ["ShardScaleDistributedError", "ShardScaleWarning"]
+__all__ = ["ShardScaleDistributedError", "ShardScaleSkipError", "ShardScaleWarning"]
 
 
 class ShardScaleWarning(UserWarning):
@@ -22,4 +22,11 @@ class ShardScaleDistributedError(RuntimeError):
 
     For example, a rank never arrived at the agreement collective, or no rank had a gradient
     to check. The message names the step, the process group's size and what was awaited.
+    """
+
+
+class ShardScaleSkipError(RuntimeError):
+    """More consecutive steps were skipped than ``max_consecutive_skips`` allows.
+
+    Raised on every rank together (the counters agree); the message names the step and the scale.
     """

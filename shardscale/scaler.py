@@ -23,13 +23,17 @@ from typing import Any, overload
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from shardscale._agree import Agreement
 from shardscale._check import check_and_unscale_
+from shardscale._clip import check_clip_args, clip_, local_norm_power
 from shardscale._devices import move
 from shardscale._errors import ShardScaleWarning
 from shardscale._grads import collect_local_grads, holds_elements, optimizer_params
+from shardscale._locate import NonFiniteGrad, locate, optimizer_named_params
 from shardscale._policy import ScalePolicy
+from shardscale._report import ScalerStats, StatsHook, StepReporter, logger, stats_from
 from shardscale._state import (
     Counters,
     DeviceState,
@@ -56,8 +60,17 @@ class _Stage(Enum):
 class _OptimizerRecord:
     """Where one optimizer is in the current iteration, and its agreed overflow flag."""
 
+    optimizer: torch.optim.Optimizer
     stage: _Stage = _Stage.READY
     found_inf: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Clipped:
+    """What ``clip_grad_norm_`` unscaled and agreed on this iteration, for ``step`` to reuse."""
+
+    param_ids: frozenset[int]
+    found_inf: torch.Tensor
 
 
 def _device_type(device: str | torch.device | None) -> str | None:
@@ -71,6 +84,12 @@ def _device_type(device: str | torch.device | None) -> str | None:
         return torch.device(device).type
     except RuntimeError as error:
         raise ValueError(f"device must name a torch device type, got {device!r}") from error
+
+
+def _inverse(scale: torch.Tensor) -> torch.Tensor:
+    """1/scale in float32, taken in float64: fp32 division can be imprecise under some compile
+    options."""
+    return scale.double().reciprocal().float()
 
 
 def _timeout(sync_timeout: timedelta | float | None) -> timedelta | None:
@@ -137,6 +156,14 @@ class ShardedGradScaler:
             timeout (30 minutes by default).
         verify_every: call :meth:`verify_agreement` every N steps (one small collective and
             one host sync each time). 0, the default: never.
+        max_consecutive_skips: raise :class:`ShardScaleSkipError` (naming the step and the
+            scale) when more consecutive steps than this are skipped, instead of skipping
+            forever. None, the default: no limit.
+        locate_overflow: on steps that overflow, find which parameters hold the inf/NaN
+            gradients on which rank (:func:`find_nonfinite_grads`), keep the records in
+            :attr:`last_overflow` and log them (WARNING, logger ``"shardscale"``). Clean steps
+            pay nothing; an overflow step pays host reads and one ``all_gather_object``. Name
+            the parameters by building the optimizer from ``model.named_parameters()``.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -159,6 +186,8 @@ class ShardedGradScaler:
         dynamic: bool = True,
         sync_timeout: timedelta | float | None = None,
         verify_every: int = 0,
+        max_consecutive_skips: int | None = None,
+        locate_overflow: bool = False,
     ) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}: {enabled!r}")
@@ -175,6 +204,21 @@ class ShardedGradScaler:
             raise TypeError(f"verify_every must be an int, got {type(verify_every).__name__}")
         if verify_every < 0:
             raise ValueError(f"verify_every must be >= 0 (0: never), got {verify_every}")
+        if max_consecutive_skips is not None:
+            if isinstance(max_consecutive_skips, bool) or not isinstance(
+                max_consecutive_skips, int
+            ):
+                raise TypeError(
+                    "max_consecutive_skips must be an int or None, got "
+                    f"{type(max_consecutive_skips).__name__}"
+                )
+            if max_consecutive_skips < 1:
+                raise ValueError(
+                    "max_consecutive_skips must be >= 1 (None: no limit), got "
+                    f"{max_consecutive_skips}"
+                )
+        if not isinstance(locate_overflow, bool):
+            raise TypeError(f"locate_overflow must be a bool, got {type(locate_overflow).__name__}")
         policy = ScalePolicy(
             init_scale=(2.0**16 if dynamic else 1.0) if init_scale is None else init_scale,
             growth_factor=growth_factor,
@@ -194,7 +238,15 @@ class ShardedGradScaler:
             )
             enabled = False
         initial = ScalerState(policy=policy, scale=policy.initial_state(), counters=Counters())
-        self._setup(device_type, enabled, Agreement(process_group, timeout), initial, verify_every)
+        self._setup(
+            device_type,
+            enabled,
+            Agreement(process_group, timeout),
+            initial,
+            verify_every,
+            max_consecutive_skips,
+            locate_overflow,
+        )
 
     def _setup(
         self,
@@ -203,18 +255,27 @@ class ShardedGradScaler:
         agreement: Agreement,
         initial: ScalerState,
         verify_every: int,
+        max_consecutive_skips: int | None,
+        locate_overflow: bool,
     ) -> None:
         self._device_type = device_type
         self._enabled = enabled
         self._agreement = agreement
         self._verify_every = verify_every
+        self._reporter = StepReporter(max_consecutive_skips)
+        self._locate_overflow = locate_overflow
+        self._last_overflow: list[NonFiniteGrad] = []
         # The steps counted so far, kept on the host too: error messages name the step without
         # reading the device.
         self._steps = initial.counters.steps
         # Host-side state until the first scale() puts it on the loss's device.
         self._initial = initial
         self._device_state: DeviceState | None = None
+        # The scale the losses are multiplied by: a copy of the live scale, made once per
+        # update, so update() never modifies a tensor autograd saved for a pending backward.
+        self._loss_scale: torch.Tensor | None = None
         self._records: dict[int, _OptimizerRecord] = {}
+        self._clipped: _Clipped | None = None
         # The last step()'s decision: a bool where the host already read it, else the device flag.
         self._last_skip: bool | torch.Tensor = False
         self._warned_at_floor = False
@@ -309,7 +370,9 @@ class ShardedGradScaler:
         if self._device_state is None:
             # The scale lives where the first loss does.
             self._device_state = DeviceState.create(self._initial, output.device)
-        return (output * move(self._device_state.scale, output.device)).to(output.dtype)
+        if self._loss_scale is None:
+            self._loss_scale = self._device_state.scale.clone()
+        return (output * move(self._loss_scale, output.device)).to(output.dtype)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale in place, and agree on overflow.
@@ -332,9 +395,9 @@ class ShardedGradScaler:
             )
         if record.stage is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        # fp32 division can be imprecise under some compile options: take the reciprocal in fp64.
-        inv_scale = scale.double().reciprocal().float()
-        record.found_inf = self._check_and_agree(optimizer, inv_scale)
+        if self._take_clipped(record):
+            return
+        record.found_inf = self._check_and_agree(optimizer, _inverse(scale))
         record.stage = _Stage.UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -358,6 +421,7 @@ class ShardedGradScaler:
         record = self._record(optimizer)
         if record.stage is _Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        self._take_clipped(record)
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             return self._step_on_device(optimizer, record, scale, args, kwargs)
         if record.stage is _Stage.READY:
@@ -396,6 +460,92 @@ class ShardedGradScaler:
         record.stage = _Stage.STEPPED
         return result
 
+    def clip_grad_norm_(
+        self,
+        parameters: torch.Tensor | Iterable[torch.Tensor],
+        max_norm: float,
+        norm_type: float = 2.0,
+    ) -> torch.Tensor:
+        """Unscale, then clip gradients to a global norm over all shards, in one collective.
+
+        Replaces ``scaler.unscale_(optimizer)`` + ``torch.nn.utils.clip_grad_norm_``: the
+        norm's partial sums travel in the same all-reduce as the overflow flag, so scale →
+        backward → clip → :meth:`step` → :meth:`update` costs one collective per step. The
+        norm is global: every rank's shards (plain, DDP, FSDP1 flat, FSDP2 DTensor), with
+        replicas (DDP, HSDP's replicate dimension, ``Replicate`` placements) counted once.
+        No host synchronisation.
+
+        Call it on every rank, after backward and before :meth:`step` of the optimizers owning
+        ``parameters``; their step then reuses this check. If those optimizers were already
+        unscaled with :meth:`unscale_`, only the norm is exchanged (a second collective).
+
+        Args:
+            parameters: the parameters (or one tensor) whose gradients to clip, as given to
+                ``torch.nn.utils.clip_grad_norm_``; every rank passes its own (the FSDP/DDP
+                model's ``parameters()``).
+            max_norm: the norm to clip to (> 0).
+            norm_type: the p of the p-norm (> 0), or ``math.inf``.
+
+        Returns:
+            The total (unscaled, unclipped) norm as a float32 scalar tensor, identical on every
+            rank; non-finite on every rank if any rank's gradients overflowed (the coming step
+            is then skipped everywhere).
+
+        Raises:
+            RuntimeError: called twice before :meth:`update`, or after some but not all of an
+                optimizer's parameters were unscaled; or no rank holds a gradient.
+            ValueError, TypeError: ``max_norm`` or ``norm_type`` breaks its rule.
+        """
+        max_norm, norm_type = check_clip_args(max_norm, norm_type)
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if not self._enabled:
+            return self._clip_unscaled(params, max_norm, norm_type)
+        scale = self._require_state("clip_grad_norm_").scale
+        if self._clipped is not None:
+            raise RuntimeError("clip_grad_norm_() has already been called since the last update().")
+        ids = frozenset(id(p) for p in params)
+        unscaled = [r for r in self._records.values() if r.stage is not _Stage.READY]
+        done = {id(p) for r in unscaled for p in optimizer_params(r.optimizer)}
+        if done and ids <= done:  # unscale_() ran for these already: exchange only the norm
+            return self._clip_unscaled(params, max_norm, norm_type)
+        if ids & done:
+            raise RuntimeError(
+                "clip_grad_norm_() got parameters of which some, but not all, were already "
+                "unscaled by unscale_(): clip each optimizer's parameters after its unscale_(), "
+                "or all of them before any unscale_()"
+            )
+        with torch.no_grad():
+            groups = collect_local_grads(params)
+            local_flags = check_and_unscale_(groups, _inverse(scale))
+            norm_power = local_norm_power(
+                params, norm_type, self._agreement.world_size, scale.device
+            )
+            found_inf, total = self._agreement.agree_with_norm(
+                local_flags,
+                holds_elements(groups),
+                norm_power,
+                norm_type,
+                scale.device,
+                self._steps + 1,
+            )
+            clip_(groups, max_norm, total)
+        self._clipped = _Clipped(param_ids=ids, found_inf=found_inf)
+        return total
+
+    def _clip_unscaled(
+        self, params: list[torch.Tensor], max_norm: float, norm_type: float
+    ) -> torch.Tensor:
+        """Clip gradients that are already unscaled: only the norm needs exchanging."""
+        with torch.no_grad():
+            groups = collect_local_grads(params)
+            device = next(iter(groups))[0] if groups else torch.device("cpu")
+            norm_power = local_norm_power(params, norm_type, self._agreement.world_size, device)
+            _, total = self._agreement.agree_with_norm(
+                [], holds_elements(groups), norm_power, norm_type, device, self._steps + 1
+            )
+            clip_(groups, max_norm, total)
+        return total
+
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Move the scale: back off if any optimizer skipped, grow after enough clean steps.
 
@@ -428,8 +578,12 @@ class ShardedGradScaler:
         if manual is not None:
             scale.copy_(manual)
         self._records = {}
+        self._clipped = None
+        self._loss_scale = None
         if scale.device.type == "cpu":  # reading the state costs no device synchronisation
             self._warn_if_at_floor()
+        if found_infs:
+            self._reporter.push(device_state.packed())
         if self._verify_every and found_infs and self._steps % self._verify_every == 0:
             self.verify_agreement()
 
@@ -461,6 +615,48 @@ class ShardedGradScaler:
             # Read each time, never cached: a CUDA-graph replay updates this very tensor.
             return bool(self._last_skip.item())
         return self._last_skip
+
+    @property
+    def stats(self) -> ScalerStats:
+        """Steps, skipped steps, consecutive skips, the scale and the last overflow's step.
+
+        Identical on every rank; right for fused optimizers too (counted on the device). One
+        host read of one small tensor (a synchronisation on an accelerator); no collective.
+        """
+        self._reporter.flush()
+        if self._device_state is None:
+            counters = self._initial.counters
+            return ScalerStats(
+                steps=counters.steps,
+                skipped_steps=counters.skipped_steps,
+                consecutive_skips=counters.consecutive_skips,
+                scale=self._initial.scale.scale if self._enabled else 1.0,
+                last_overflow_step=counters.last_overflow_step,
+            )
+        return stats_from(self._device_state.packed().tolist())
+
+    def register_stats_hook(self, hook: StatsHook) -> RemovableHandle:
+        """Call ``hook(stats)`` after every :meth:`update` that counted a step.
+
+        For TensorBoard / W&B: ``stats`` is a :class:`ScalerStats`. On the CPU the hook runs
+        inside that update(); on an accelerator it runs one update() later (or when
+        :attr:`stats` is read), so that reading the numbers never stalls the step.
+
+        Returns:
+            A handle whose ``remove()`` unregisters the hook.
+        """
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        return self._reporter.register(hook)
+
+    @property
+    def last_overflow(self) -> list[NonFiniteGrad]:
+        """With ``locate_overflow=True``: where the last overflow step's inf/NaN gradients were.
+
+        :class:`NonFiniteGrad` records (rank, name, num_inf, num_nan), identical on every
+        rank. Empty before the first overflow, or without ``locate_overflow``.
+        """
+        return list(self._last_overflow)
 
     def get_scale(self) -> float:
         """Return the current scale (1.0 when disabled). Costs a host sync on an accelerator."""
@@ -532,6 +728,7 @@ class ShardedGradScaler:
         state = parse_state_dict(state_dict, self.policy)
         self._initial = state
         self._steps = state.counters.steps
+        self._loss_scale = None
         if self._device_state is not None:
             self._device_state.write(state)
 
@@ -552,6 +749,8 @@ class ShardedGradScaler:
             "state": self._read_state() if self._enabled else self._initial,
             "sync_timeout": self._agreement.timeout,
             "verify_every": self._verify_every,
+            "max_consecutive_skips": self._reporter.max_consecutive_skips,
+            "locate_overflow": self._locate_overflow,
         }
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
@@ -562,6 +761,8 @@ class ShardedGradScaler:
             agreement,
             pickled["state"],
             pickled["verify_every"],
+            pickled["max_consecutive_skips"],
+            pickled["locate_overflow"],
         )
 
     # ------------------------------------------------------------------ internals
@@ -572,7 +773,28 @@ class ShardedGradScaler:
         return self._device_state
 
     def _record(self, optimizer: torch.optim.Optimizer) -> _OptimizerRecord:
-        return self._records.setdefault(id(optimizer), _OptimizerRecord())
+        record = self._records.get(id(optimizer))
+        if record is None:
+            record = self._records[id(optimizer)] = _OptimizerRecord(optimizer)
+        return record
+
+    def _take_clipped(self, record: _OptimizerRecord) -> bool:
+        """Adopt ``clip_grad_norm_``'s unscale and flag if it covered this optimizer's grads."""
+        clipped = self._clipped
+        if clipped is None or record.stage is not _Stage.READY:
+            return False
+        mine = {id(p) for p in optimizer_params(record.optimizer) if p.grad is not None}
+        if mine <= clipped.param_ids:
+            record.found_inf = clipped.found_inf
+            record.stage = _Stage.UNSCALED
+            self._locate_if_overflowed(clipped.found_inf, record.optimizer)
+            return True
+        if mine & clipped.param_ids:
+            raise RuntimeError(
+                "clip_grad_norm_() unscaled some, but not all, of this optimizer's gradients: "
+                "pass every parameter of the optimizers it precedes (e.g. model.parameters())"
+            )
+        return False
 
     def _check_and_agree(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor | None
@@ -581,7 +803,23 @@ class ShardedGradScaler:
         with torch.no_grad():
             groups = collect_local_grads(optimizer_params(optimizer))
             local_flags = check_and_unscale_(groups, inv_scale)
-        return self._agreement.agree(local_flags, holds_elements(groups), device, self._steps + 1)
+        step = self._steps + 1
+        found_inf = self._agreement.agree(local_flags, holds_elements(groups), device, step)
+        self._locate_if_overflowed(found_inf, optimizer)
+        return found_inf
+
+    def _locate_if_overflowed(
+        self, found_inf: torch.Tensor, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """With ``locate_overflow``: on an overflow step, find and log the non-finite grads."""
+        if not (self._locate_overflow and found_inf.item()):  # every rank reads the same flag
+            return
+        self._last_overflow = locate(optimizer_named_params(optimizer), self.process_group)
+        logger.warning(
+            "step %d overflowed; non-finite gradients at: %s",
+            self._steps + 1,
+            "; ".join(map(str, self._last_overflow)) or "(none: already cleared)",
+        )
 
     def _warn_if_at_floor(self) -> None:
         """Warn, once, when the scale has backed off to ``min_scale`` and cannot go lower."""

@@ -1,0 +1,162 @@
+"""What happened at each step, told to whoever listens: stats, hooks, the log, the skip limit.
+
+Invariant: reporting never adds a host synchronisation to the step. The numbers live on the
+device (``DeviceState``); after each ``update()`` they are packed into one small tensor and
+copied to the host. On the CPU that copy is the read. On an accelerator it is started without
+waiting (into pinned memory, with an event) and delivered at the next ``update()`` (or when
+:attr:`ShardedGradScaler.stats` is read), by when the device has long finished it: hooks, log
+lines and the ``max_consecutive_skips`` check then run one step late, and cost no sync.
+
+Nobody listening (no hook, no limit, the ``"shardscale"`` logger below INFO) costs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from shardscale._errors import ShardScaleSkipError
+from shardscale._state import unpack
+
+__all__ = ["LOG_INTERVAL_S", "ScalerStats", "StepReporter", "logger"]
+
+logger = logging.getLogger("shardscale")
+"""The library's logger: INFO per skipped step (rate-limited), WARNING for located overflows."""
+
+LOG_INTERVAL_S = 10.0
+"""At most one skipped-step message per this many seconds; the next one counts the rest."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScalerStats:
+    """The scaler's counters after a step: identical on every rank of the group."""
+
+    steps: int
+    """Steps counted so far (``update()`` calls that consumed an overflow check)."""
+    skipped_steps: int
+    """Of those, the steps skipped because some rank overflowed."""
+    consecutive_skips: int
+    """Skipped steps since the last step taken."""
+    scale: float
+    """The scale now (after the step's ``update()``)."""
+    last_overflow_step: int
+    """The number (1-based) of the last skipped step; 0 if none was."""
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether step number ``steps`` was skipped."""
+        return self.steps > 0 and self.last_overflow_step == self.steps
+
+
+def stats_from(values: list[float]) -> ScalerStats:
+    """Stats from ``DeviceState.packed()``'s values, read on the host."""
+    scale, counters = unpack(values)
+    return ScalerStats(
+        steps=counters.steps,
+        skipped_steps=counters.skipped_steps,
+        consecutive_skips=counters.consecutive_skips,
+        scale=scale.scale,
+        last_overflow_step=counters.last_overflow_step,
+    )
+
+
+StatsHook = Callable[[ScalerStats], None]
+
+
+class StepReporter:
+    """Delivers each step's stats to hooks, the log and the consecutive-skip limit."""
+
+    def __init__(self, max_consecutive_skips: int | None) -> None:
+        self.max_consecutive_skips = max_consecutive_skips
+        self._hooks: dict[int, StatsHook] = {}
+        self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        self._last_logged = -float("inf")
+        self._unlogged_skips = 0
+
+    def register(self, hook: StatsHook) -> RemovableHandle:
+        handle = RemovableHandle(self._hooks)
+        self._hooks[handle.id] = hook
+        return handle
+
+    def listening(self) -> bool:
+        return bool(
+            self._hooks
+            or self.max_consecutive_skips is not None
+            or logger.isEnabledFor(logging.INFO)
+        )
+
+    def push(self, packed: torch.Tensor) -> None:
+        """Take one step's packed state; deliver it now (CPU) or at the next push/flush."""
+        if not self.listening():
+            self._pending = None
+            return
+        if packed.device.type == "cpu":
+            self.flush()
+            self._deliver(stats_from(packed.tolist()))
+            return
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        event = None
+        if packed.device.type == "cuda":
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+        previous, self._pending = self._pending, (host, event)
+        if previous is not None:
+            self._deliver_pending(previous)
+
+    def flush(self) -> None:
+        """Deliver a step still in flight (waits for its copy)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._deliver_pending(pending)
+
+    def _deliver_pending(self, pending: tuple[torch.Tensor, torch.cuda.Event | None]) -> None:
+        host, event = pending
+        if event is not None:
+            event.synchronize()  # recorded a step ago: normally long complete
+        self._deliver(stats_from(host.tolist()))
+
+    def _deliver(self, stats: ScalerStats) -> None:
+        if stats.last_step_skipped:
+            self._log_skip(stats)
+        for hook in list(self._hooks.values()):
+            hook(stats)
+        limit = self.max_consecutive_skips
+        if limit is not None and stats.consecutive_skips > limit:
+            raise ShardScaleSkipError(
+                f"step {stats.steps}: {stats.consecutive_skips} consecutive steps skipped for "
+                f"inf/NaN gradients, more than max_consecutive_skips={limit}; the scale is "
+                f"{stats.scale:g}. A scale that stays small while steps keep overflowing usually "
+                "means the model or the loss produces inf/NaN by itself (try "
+                "locate_overflow=True to see which parameters)."
+            )
+
+    def _log_skip(self, stats: ScalerStats) -> None:
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        now = time.monotonic()
+        if now - self._last_logged < LOG_INTERVAL_S:
+            self._unlogged_skips += 1
+            return
+        more = (
+            f" ({self._unlogged_skips} more skipped step(s) since the last message)"
+            if self._unlogged_skips
+            else ""
+        )
+        logger.info(
+            "step %d skipped: inf/NaN gradients on some rank; scale now %g, %d consecutive "
+            "skip(s), %d of %d steps skipped%s",
+            stats.steps,
+            stats.scale,
+            stats.consecutive_skips,
+            stats.skipped_steps,
+            stats.steps,
+            more,
+        )
+        self._last_logged = now
+        self._unlogged_skips = 0
