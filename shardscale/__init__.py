@@ -5,9 +5,11 @@ from shardscale._locate import NonFiniteGrad, find_nonfinite_grads
 from shardscale._policy import ScalePolicy, ScaleState
 from shardscale._profiling import count_collectives
 from shardscale._report import ScalerStats
+from shardscale.async_scaler import AsyncShardedGradScaler
 from shardscale.scaler import ShardedGradScaler
 
 __all__ = [
+    "AsyncShardedGradScaler",
     "NonFiniteGrad",
     "ScalePolicy",
     "ScaleState",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -73,7 +74,8 @@ class StepReporter:
 
     def __init__(self, max_consecutive_skips: int | None) -> None:
         self.max_consecutive_skips = max_consecutive_skips
-        self._hooks: dict[int, StatsHook] = {}
+        # an OrderedDict: RemovableHandle holds a weak reference to it, which a dict refuses
+        self._hooks: OrderedDict[int, StatsHook] = OrderedDict()
         self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self._last_logged = -float("inf")
         self._unlogged_skips = 0

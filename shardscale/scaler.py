@@ -61,6 +61,8 @@ class _OptimizerRecord:
     """Where one optimizer is in the current iteration, and its agreed overflow flag."""
 
     optimizer: torch.optim.Optimizer
+    step: int
+    """The number of the step this iteration takes (error messages name it)."""
     stage: _Stage = _Stage.READY
     found_inf: torch.Tensor | None = None
 
@@ -370,9 +372,13 @@ class ShardedGradScaler:
         if self._device_state is None:
             # The scale lives where the first loss does.
             self._device_state = DeviceState.create(self._initial, output.device)
+        return (output * move(self._loss_factor(), output.device)).to(output.dtype)
+
+    def _loss_factor(self) -> torch.Tensor:
+        """The scale to multiply losses by: a copy of the live scale, made once per update."""
         if self._loss_scale is None:
-            self._loss_scale = self._device_state.scale.clone()
-        return (output * move(self._loss_scale, output.device)).to(output.dtype)
+            self._loss_scale = self._require_state("scale").scale.clone()
+        return self._loss_scale
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale in place, and agree on overflow.
@@ -387,8 +393,11 @@ class ShardedGradScaler:
         """
         if not self._enabled:
             return
-        scale = self._require_state("unscale_").scale
-        record = self._record(optimizer)
+        record, scale = self._begin(optimizer, "unscale_")
+        self._unscale(record, scale)
+        self._end(record)
+
+    def _unscale(self, record: _OptimizerRecord, scale: torch.Tensor) -> None:
         if record.stage is _Stage.UNSCALED:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since the last update()."
@@ -397,7 +406,7 @@ class ShardedGradScaler:
             raise RuntimeError("unscale_() is being called after step().")
         if self._take_clipped(record):
             return
-        record.found_inf = self._check_and_agree(optimizer, _inverse(scale))
+        record.found_inf = self._check_and_agree(record, _inverse(scale))
         record.stage = _Stage.UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -417,20 +426,21 @@ class ShardedGradScaler:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        scale = self._require_state("step").scale
-        record = self._record(optimizer)
+        record, scale = self._begin(optimizer, "step")
         if record.stage is _Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         self._take_clipped(record)
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            return self._step_on_device(optimizer, record, scale, args, kwargs)
-        if record.stage is _Stage.READY:
-            self.unscale_(optimizer)
-        assert record.found_inf is not None
-        skipped = bool(record.found_inf.item())  # the step's one host synchronisation
-        self._last_skip = skipped
-        result = None if skipped else optimizer.step(*args, **kwargs)
-        record.stage = _Stage.STEPPED
+            result = self._step_on_device(optimizer, record, scale, args, kwargs)
+        else:
+            if record.stage is _Stage.READY:
+                self._unscale(record, scale)
+            assert record.found_inf is not None
+            skipped = bool(record.found_inf.item())  # the step's one host synchronisation
+            self._last_skip = skipped
+            result = None if skipped else optimizer.step(*args, **kwargs)
+            record.stage = _Stage.STEPPED
+        self._end(record)
         return result
 
     def _step_on_device(
@@ -444,7 +454,7 @@ class ShardedGradScaler:
         """Hand a fused/capturable optimizer the scale and the agreed flag; it skips itself."""
         user_grad_scale = getattr(optimizer, "grad_scale", None)
         if record.stage is _Stage.READY:
-            record.found_inf = self._check_and_agree(optimizer, inv_scale=None)
+            record.found_inf = self._check_and_agree(record, inv_scale=None)
             grad_scale = scale if user_grad_scale is None else scale * user_grad_scale
         else:  # already unscaled by unscale_()
             grad_scale = user_grad_scale
@@ -561,12 +571,19 @@ class ShardedGradScaler:
         """
         if not self._enabled:
             return
-        device_state = self._require_state("update")
-        scale = device_state.scale
+        self._require_state("update")
         found_infs = [r.found_inf for r in self._records.values() if r.found_inf is not None]
         if new_scale is None and not found_infs:
             raise RuntimeError("No inf checks were recorded prior to update.")
         manual = None if new_scale is None else self._checked_new_scale(new_scale)
+        self._records = {}
+        self._clipped = None
+        self._apply(found_infs, manual)
+
+    def _apply(self, found_infs: list[torch.Tensor], manual: torch.Tensor | None) -> None:
+        """Count the step and move the scale from the agreed flags (or set it to ``manual``)."""
+        device_state = self._require_state("update")
+        scale = device_state.scale
         if found_infs:
             found_inf = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).amax()
             device_state.count_step_(found_inf)
@@ -577,8 +594,6 @@ class ShardedGradScaler:
                 )
         if manual is not None:
             scale.copy_(manual)
-        self._records = {}
-        self._clipped = None
         self._loss_scale = None
         if scale.device.type == "cpu":  # reading the state costs no device synchronisation
             self._warn_if_at_floor()
@@ -772,11 +787,19 @@ class ShardedGradScaler:
             raise RuntimeError(_NO_SCALE.format(funcname))
         return self._device_state
 
-    def _record(self, optimizer: torch.optim.Optimizer) -> _OptimizerRecord:
+    def _begin(
+        self, optimizer: torch.optim.Optimizer, funcname: str
+    ) -> tuple[_OptimizerRecord, torch.Tensor]:
+        """This iteration's record for ``optimizer``, and the scale its losses were given."""
+        scale = self._require_state(funcname).scale
         record = self._records.get(id(optimizer))
         if record is None:
-            record = self._records[id(optimizer)] = _OptimizerRecord(optimizer)
-        return record
+            record = _OptimizerRecord(optimizer, step=self._steps + 1)
+            self._records[id(optimizer)] = record
+        return record, scale
+
+    def _end(self, record: _OptimizerRecord) -> None:
+        """Called after unscale_() or step() finished with ``record`` (a hook for subclasses)."""
 
     def _take_clipped(self, record: _OptimizerRecord) -> bool:
         """Adopt ``clip_grad_norm_``'s unscale and flag if it covered this optimizer's grads."""
@@ -787,7 +810,7 @@ class ShardedGradScaler:
         if mine <= clipped.param_ids:
             record.found_inf = clipped.found_inf
             record.stage = _Stage.UNSCALED
-            self._locate_if_overflowed(clipped.found_inf, record.optimizer)
+            self._locate_if_overflowed(clipped.found_inf, record)
             return True
         if mine & clipped.param_ids:
             raise RuntimeError(
@@ -797,27 +820,26 @@ class ShardedGradScaler:
         return False
 
     def _check_and_agree(
-        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor | None
+        self, record: _OptimizerRecord, inv_scale: torch.Tensor | None
     ) -> torch.Tensor:
         device = self._require_state("step").scale.device
         with torch.no_grad():
-            groups = collect_local_grads(optimizer_params(optimizer))
+            groups = collect_local_grads(optimizer_params(record.optimizer))
             local_flags = check_and_unscale_(groups, inv_scale)
-        step = self._steps + 1
-        found_inf = self._agreement.agree(local_flags, holds_elements(groups), device, step)
-        self._locate_if_overflowed(found_inf, optimizer)
+        found_inf = self._agreement.agree(local_flags, holds_elements(groups), device, record.step)
+        self._locate_if_overflowed(found_inf, record)
         return found_inf
 
-    def _locate_if_overflowed(
-        self, found_inf: torch.Tensor, optimizer: torch.optim.Optimizer
-    ) -> None:
+    def _locate_if_overflowed(self, found_inf: torch.Tensor, record: _OptimizerRecord) -> None:
         """With ``locate_overflow``: on an overflow step, find and log the non-finite grads."""
         if not (self._locate_overflow and found_inf.item()):  # every rank reads the same flag
             return
-        self._last_overflow = locate(optimizer_named_params(optimizer), self.process_group)
+        self._last_overflow = locate(
+            optimizer_named_params(record.optimizer), self._agreement.process_group
+        )
         logger.warning(
             "step %d overflowed; non-finite gradients at: %s",
-            self._steps + 1,
+            record.step,
             "; ".join(map(str, self._last_overflow)) or "(none: already cleared)",
         )
 

@@ -1,4 +1,4 @@
-"""clip_grad_norm_: the global norm over shards, replicas counted once, in the step's one collective."""
+"""clip_grad_norm_: a global norm over shards, replicas counted once, in the step's collective."""
 
 from __future__ import annotations
 

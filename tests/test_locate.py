@@ -1,4 +1,4 @@
-"""find_nonfinite_grads and locate_overflow: original names, the right rank, the same list everywhere."""
+"""find_nonfinite_grads and locate_overflow: original names, right ranks, the same everywhere."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_find_nonfinite_grads_world_of_one_and_no_process_group() -> None:
     model(torch.ones(2, 16)).sum().backward()
     model[2].weight.grad[0, :3] = torch.tensor([math.inf, math.nan, math.nan])
     assert find_nonfinite_grads(model) == [NonFiniteGrad(0, "2.weight", 1, 2)]
-    with pytest.raises(TypeError, match="module must be a torch.nn.Module, got list"):
+    with pytest.raises(TypeError, match=r"module must be a torch\.nn\.Module, got list"):
         find_nonfinite_grads([model])  # type: ignore[arg-type]
 
 
