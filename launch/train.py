@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import signal
@@ -66,6 +67,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     add("--init-scale", type=float, default=2.0**16)
     add(
+        "--clip-norm",
+        type=float,
+        default=1.0,
+        help="clip gradients to this global norm, in the scaler's one collective (0: no clipping)",
+    )
+    add(
         "--sync-timeout",
         type=float,
         default=300.0,
@@ -112,6 +119,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not args.loss_divisor >= 1.0:
         parser.error(f"--loss-divisor must be >= 1, got {args.loss_divisor}")
+    if not args.clip_norm >= 0:
+        parser.error(f"--clip-norm must be >= 0 (0: no clipping), got {args.clip_norm}")
     if args.sync_timeout <= 0:
         parser.error(f"--sync-timeout must be > 0, got {args.sync_timeout}")
     for name in ("checkpoint_every", "inject_inf_every", "eval_batches", "verify_every"):
@@ -199,7 +208,12 @@ def _wrap(model: nn.Module, parallel: str, device: torch.device) -> nn.Module:
 
 
 def _make_scaler(args: argparse.Namespace) -> ShardedGradScaler:
-    bounds = {"sync_timeout": args.sync_timeout, "verify_every": args.verify_every}
+    bounds = {
+        "sync_timeout": args.sync_timeout,
+        "verify_every": args.verify_every,
+        # with planted infs, show where they landed (costs nothing on clean steps)
+        "locate_overflow": bool(args.inject_inf_every),
+    }
     if args.precision == "fp16":
         return ShardedGradScaler(
             init_scale=args.init_scale,
@@ -308,8 +322,14 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     )
     model = _wrap(GPT(config).to(device), args.parallel, device)
     # eps / D keeps AdamW's update what it is at D = 1: only the gradients' range moves.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=1e-8 / args.loss_divisor)
+    # Built from named parameters, so that located overflows are named.
+    optimizer = torch.optim.AdamW(
+        model.named_parameters(), lr=args.lr, eps=1e-8 / args.loss_divisor
+    )
     scaler = _make_scaler(args)
+    # The job prints skips and located overflows itself, once (rank 0), beside its progress bar:
+    # the library's log lines would repeat them on every rank.
+    logging.getLogger("shardscale").setLevel(logging.ERROR)
     batches = Batches(build_corpus(), args.seq_len, args.batch_size, args.seed)
     progress = Progress(args.steps, args.log_every, enabled=rank == 0)
 
@@ -373,6 +393,9 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         ):
             _plant_inf(optimizer)
         zeros = _zero_fraction(optimizer, device) if args.track_underflow else None
+        grad_norm = (
+            scaler.clip_grad_norm_(model.parameters(), args.clip_norm) if args.clip_norm else None
+        )
         scaler.step(optimizer)
         scaler.update()
         skipped = scaler.last_step_skipped  # free after AdamW's (non-fused) step
@@ -390,11 +413,15 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         )
         if zeros is not None:
             history[-1]["zero_grad_fraction"] = zeros
+        if grad_norm is not None:
+            history[-1]["grad_norm"] = grad_norm.item()  # unscaled, global; inf when skipped
         train_state.update(step=step + 1, samples_seen=(step + 1) * args.batch_size * world_size)
         if skipped:
+            located = "; ".join(map(str, scaler.last_overflow))
             progress.note(
                 f"step {step + 1}: skipped on all {world_size} rank(s) (non-finite "
                 f"gradients); scale {scale_used:g} -> {scale:g}"
+                + (f"; located at {located}" if located else "")
             )
         elapsed = time.perf_counter() - started
         progress.update(

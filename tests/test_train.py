@@ -6,6 +6,7 @@ Few and small (each torchrun start costs seconds), sharing one set of runs per m
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -124,6 +125,14 @@ def test_train_inject_inf_every_rank_skips_and_ranks_agree(runs: dict[str, Any])
     assert (full["steps"], full["skipped_steps"], full["world_size"]) == (6, 2, 2)
     assert full["ranks_agree"] is True
     assert [h["step"] for h in full["history"] if h["skipped"]] == [3, 6]
+    # clipped every step: the global norm is finite on taken steps, inf on skipped ones
+    norms = [h["grad_norm"] for h in full["history"]]
+    assert [math.isfinite(n) for n in norms] == [not h["skipped"] for h in full["history"]]
+    # the planted inf, located: rank 1's first local gradient element, named as in the model
+    assert (
+        "step 3: skipped on all 2 rank(s) (non-finite gradients); scale 131072 -> 65536; "
+        "located at rank 1: token_embedding.weight (1 inf, 0 NaN)"
+    ) in runs["first_output"]
     assert full["parallel"] == "fsdp2"
     assert full["precision"] == "fp16"
 
