@@ -691,6 +691,24 @@ class ShardedGradScaler:
         """The scale tensor without a sync (torch's private accessor, used by frameworks)."""
         return self._scale
 
+    @property
+    def _device(self) -> str:
+        """The device type, under torch's private name (accelerate reads it on resume)."""
+        if self._device_state is not None:
+            return self._device_state.scale.device.type
+        return self._device_type or "cpu"
+
+    def _lazy_init_scale_growth_tracker(self, dev: str | torch.device) -> None:
+        """Put the state on ``dev`` now rather than at the first :meth:`scale` (torch's private
+        hook: accelerate calls it after loading a state dict for FSDP2)."""
+        if self._enabled and self._device_state is None:
+            device = torch.device(dev)
+            if device.type != "cpu" and device.index is None:
+                device = torch.device(
+                    device.type, torch.get_device_module(device.type).current_device()
+                )
+            self._device_state = DeviceState.create(self._initial, device)
+
     def _get_growth_tracker(self) -> int:
         return self._read_state().scale.growth_tracker if self._enabled else 0
 
