@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -57,6 +58,8 @@ def test_compiled_model_trains_with_the_scaler_like_eager() -> None:
     _assert_same(compiled, eager)
 
 
+# The cached function makes constant tensors: traced afresh, it makes the same ones.
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 def test_compiled_train_step_with_the_scaler_inside_graph_breaks_and_works() -> None:
     """Compiling a whole step with the scaler inside: dynamo breaks the graph at the scaler's
     host read and collective, and the result equals eager."""

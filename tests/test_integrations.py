@@ -3,36 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.torchrun, pytest.mark.xdist_group("torchrun")]
+from tests.test_train import ROOT, torchrun
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.torchrun, pytest.mark.xdist_group("torchrun")]
 
 
 def _run_example(script: str, *args: str) -> list[dict[str, Any]]:
     """Run ``launch/<script>`` on 2 ranks; return the JSON records its ranks printed."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", KINETO_LOG_LEVEL="5")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(ROOT / "launch" / script),
-        *args,
-    ]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, f"{command}:\n{result.stdout}\n{result.stderr}"
+    result = torchrun(2, *args, script=str(ROOT / "launch" / script))
     # two ranks print at once: their lines may interleave, so take every flat JSON object
     return [json.loads(match) for match in re.findall(r"\{[^{}]*\}", result.stdout)]
 

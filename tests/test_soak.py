@@ -3,27 +3,19 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.test_train import ROOT, _env
+from tests.test_train import ROOT, torchrun
 
 pytestmark = [pytest.mark.torchrun, pytest.mark.xdist_group("torchrun")]
 
 
 def test_soak_three_ranks_every_planted_overflow_skipped_no_divergence(tmp_path: Path) -> None:
     report_path = tmp_path / "soak.json"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "3",
-        str(ROOT / "launch" / "soak.py"),
+    torchrun(
+        3,
         "--steps",
         "400",
         "--segment",
@@ -36,11 +28,9 @@ def test_soak_three_ranks_every_planted_overflow_skipped_no_divergence(tmp_path:
         "3",
         "--json",
         str(report_path),
-    ]
-    result = subprocess.run(
-        command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300
+        script=str(ROOT / "launch" / "soak.py"),
+        timeout=300,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(report_path.read_text())
     assert report["divergences_all_ranks"] == 0
     assert report["planted"] > 30

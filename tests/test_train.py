@@ -52,8 +52,14 @@ def _env() -> dict[str, str]:
 
 
 def torchrun(
-    nproc: int, *args: str, launcher: list[str] | None = None, check: bool = True
+    nproc: int,
+    *args: str,
+    launcher: list[str] | None = None,
+    check: bool = True,
+    script: str = TRAIN,
+    timeout: float = 240,
 ) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (the example job by default) under torchrun on ``nproc`` local ranks."""
     launcher = launcher or ["--standalone"]
     command = [
         sys.executable,
@@ -62,11 +68,11 @@ def torchrun(
         *launcher,
         "--nproc-per-node",
         str(nproc),
-        TRAIN,
+        script,
         *args,
     ]
     result = subprocess.run(
-        command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240
+        command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
     )
     if check and result.returncode != 0:
         raise AssertionError(
