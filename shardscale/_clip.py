@@ -19,11 +19,13 @@ How ``r`` is found, per gradient:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
 
 from shardscale._devices import move
 from shardscale._grads import GradGroups
@@ -43,14 +45,18 @@ def check_clip_args(max_norm: float, norm_type: float) -> tuple[float, float]:
     return float(max_norm), float(norm_type)
 
 
+@functools.lru_cache(maxsize=256)
+def _dtensor_replicas(mesh: DeviceMesh, placements: tuple[Placement, ...], world_size: int) -> int:
+    """Cached per sharding layout: a model has few, and its parameters repeat them."""
+    shards = math.prod(mesh.size(dim) for dim, p in enumerate(placements) if p.is_shard())
+    return max(world_size // int(shards), 1)
+
+
 def _replicas(param: torch.Tensor, world_size: int) -> int:
     """How many ranks of the group hold the same local gradient tensor as this one."""
     if isinstance(param, DTensor):
-        mesh = param.device_mesh
-        shards = math.prod(
-            mesh.size(dim) for dim, placement in enumerate(param.placements) if placement.is_shard()
-        )
-        return max(world_size // int(shards), 1)
+        spec = param._spec
+        return _dtensor_replicas(spec.mesh, spec.placements, world_size)
     if getattr(param, "_is_flat_param", False):
         unsharded: int = param._padded_unsharded_size.numel()  # type: ignore[attr-defined]
         sharded: int = max(param._sharded_size.numel(), 1)  # type: ignore[attr-defined]
