@@ -86,6 +86,10 @@ def main() -> None:
         str(args.loss_divisor),
         "--log-every",
         str(args.steps),
+        # No clipping: a clip threshold would not scale with the divisor, so fp32 training
+        # would no longer be the same with and without it.
+        "--clip-norm",
+        "0",
         *train_args,
     ]
     summaries = {}
