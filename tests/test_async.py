@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from shardscale import AsyncShardedGradScaler, ScalePolicy, ShardedGradScaler
 from tests.harness import run_ranks
@@ -74,6 +75,9 @@ def _rank_async(rank: int, world_size: int, flavour: str) -> dict[str, Any]:
             scaled.backward()
             grad, weights.grad = weights.grad, None
             assert grad is not None
+            # The model's own collective on the default group (DDP's gradient all-reduce), from
+            # this thread, while the optimizer thread agrees on the scaler's own group.
+            dist.all_reduce(torch.ones(1))
             if rank in _overflows(iteration):
                 grad[iteration % 32] = math.inf
             futures.append(pool.submit(optimizer_step, iteration, grad, x))
