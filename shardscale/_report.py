@@ -22,7 +22,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from shardscale._errors import ShardScaleSkipError
-from shardscale._state import unpack
+from shardscale._state import DeviceState, unpack
 
 __all__ = ["LOG_INTERVAL_S", "ScalerStats", "StepReporter", "logger"]
 
@@ -92,11 +92,15 @@ class StepReporter:
             or logger.isEnabledFor(logging.INFO)
         )
 
-    def push(self, packed: torch.Tensor) -> None:
-        """Take one step's packed state; deliver it now (CPU) or at the next push/flush."""
+    def push(self, state: DeviceState) -> None:
+        """Take one step's state; deliver it now (CPU) or at the next push/flush.
+
+        Packs the state only when someone listens: with nobody, an update pays no kernel here.
+        """
         if not self.listening():
             self._pending = None
             return
+        packed = state.packed()
         if packed.device.type == "cpu":
             self.flush()
             self._deliver(stats_from(packed.tolist()))

@@ -598,7 +598,7 @@ class ShardedGradScaler:
         if scale.device.type == "cpu":  # reading the state costs no device synchronisation
             self._warn_if_at_floor()
         if found_infs:
-            self._reporter.push(device_state.packed())
+            self._reporter.push(device_state)
         if self._verify_every and found_infs and self._steps % self._verify_every == 0:
             self.verify_agreement()
 
