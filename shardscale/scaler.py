@@ -394,7 +394,8 @@ class ShardedGradScaler:
         if not self._enabled:
             return
         record, scale = self._begin(optimizer, "unscale_")
-        self._unscale(record, scale)
+        if not self._take_clipped(record):  # clip_grad_norm_ may have unscaled these already
+            self._unscale(record, scale)
         self._end(record)
 
     def _unscale(self, record: _OptimizerRecord, scale: torch.Tensor) -> None:
@@ -404,8 +405,6 @@ class ShardedGradScaler:
             )
         if record.stage is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        if self._take_clipped(record):
-            return
         record.found_inf = self._check_and_agree(record, _inverse(scale))
         record.stage = _Stage.UNSCALED
 
