@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
 from shardscale._devices import move
-from shardscale._grads import GradGroups
+from shardscale._grads import GradGroups, local_values
 
 __all__ = ["check_clip_args", "clip_", "local_norm_power"]
 
@@ -76,13 +76,9 @@ def local_norm_power(
     """
     by_device: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[float]]] = {}
     for param in params:
-        grad = param.grad
-        if grad is None:
+        if param.grad is None:
             continue
-        if isinstance(grad, DTensor):
-            grad = grad._local_tensor
-        if grad.is_sparse:
-            grad = grad._values()  # coalesced by the check that ran before
+        grad = local_values(param.grad)  # sparse: coalesced in place by the check before
         grads, weights = by_device.setdefault((grad.device, grad.dtype), ([], []))
         grads.append(grad)
         weights.append(1.0 / _replicas(param, world_size))

@@ -20,7 +20,13 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-__all__ = ["GradGroups", "collect_local_grads", "holds_elements", "optimizer_params"]
+__all__ = [
+    "GradGroups",
+    "collect_local_grads",
+    "holds_elements",
+    "local_values",
+    "optimizer_params",
+]
 
 GradGroups = dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
 """Local gradient tensors keyed by (device, dtype): one fused kernel call per key."""
@@ -73,6 +79,20 @@ def collect_local_grads(params: Iterable[torch.Tensor]) -> GradGroups:
             )
         groups[(device, dtype)] = cast(list[torch.Tensor], tensor_lists[0])  # no None was given
     return groups
+
+
+def local_values(grad: torch.Tensor) -> torch.Tensor:
+    """The gradient elements this rank holds, for reading (clipping norms, locating overflows).
+
+    A DTensor's local shard; a sparse gradient's coalesced values (coalesced into a copy if it
+    is not yet: duplicates sum only then, and that sum is what may overflow); else ``grad``.
+    ``collect_local_grads`` inlines the same walk (it runs every step, and coalesces in place).
+    """
+    if isinstance(grad, DTensor):
+        grad = grad._local_tensor
+    if grad.is_sparse:
+        grad = (grad if grad.is_coalesced() else grad.coalesce())._values()
+    return grad
 
 
 def holds_elements(groups: GradGroups) -> bool:

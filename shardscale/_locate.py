@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from shardscale._grads import local_values
 
 __all__ = ["NonFiniteGrad", "find_nonfinite_grads", "locate", "optimizer_named_params"]
 
@@ -64,21 +65,12 @@ def _unwrapped(module: nn.Module) -> nn.Module:
         module = inner
 
 
-def _local_values(grad: torch.Tensor) -> torch.Tensor:
-    if isinstance(grad, DTensor):
-        grad = grad._local_tensor
-    if grad.is_sparse:
-        # duplicates are summed by coalescing, and that sum is what may overflow
-        grad = (grad if grad.is_coalesced() else grad.coalesce())._values()
-    return grad
-
-
 def _pieces(name: str, param: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """(original name, local gradient elements) for ``param``; a flat parameter gives many."""
     grad = param.grad
     if grad is None:
         return
-    local = _local_values(grad)
+    local = local_values(grad)
     if not getattr(param, "_is_flat_param", False):
         yield clean_name(name), local
         return
