@@ -22,7 +22,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from shardscale._errors import ShardScaleSkipError
-from shardscale._state import DeviceState, unpack
+from shardscale._state import Counters, DeviceState, unpack
 
 __all__ = ["LOG_INTERVAL_S", "ScalerStats", "StepReporter", "logger"]
 
@@ -54,16 +54,21 @@ class ScalerStats:
         return self.steps > 0 and self.last_overflow_step == self.steps
 
 
-def stats_from(values: list[float]) -> ScalerStats:
-    """Stats from ``DeviceState.packed()``'s values, read on the host."""
-    scale, counters = unpack(values)
+def stats_of(scale: float, counters: Counters) -> ScalerStats:
+    """Stats from host values."""
     return ScalerStats(
         steps=counters.steps,
         skipped_steps=counters.skipped_steps,
         consecutive_skips=counters.consecutive_skips,
-        scale=scale.scale,
+        scale=scale,
         last_overflow_step=counters.last_overflow_step,
     )
+
+
+def stats_from(values: list[float]) -> ScalerStats:
+    """Stats from ``DeviceState.packed()``'s values, read on the host."""
+    scale, counters = unpack(values)
+    return stats_of(scale.scale, counters)
 
 
 StatsHook = Callable[[ScalerStats], None]

@@ -33,7 +33,7 @@ from shardscale._errors import ShardScaleWarning
 from shardscale._grads import collect_local_grads, holds_elements, optimizer_params
 from shardscale._locate import NonFiniteGrad, locate, optimizer_named_params
 from shardscale._policy import ScalePolicy
-from shardscale._report import ScalerStats, StatsHook, StepReporter, logger, stats_from
+from shardscale._report import ScalerStats, StatsHook, StepReporter, logger, stats_from, stats_of
 from shardscale._state import (
     Counters,
     DeviceState,
@@ -639,14 +639,8 @@ class ShardedGradScaler:
         """
         self._reporter.flush()
         if self._device_state is None:
-            counters = self._initial.counters
-            return ScalerStats(
-                steps=counters.steps,
-                skipped_steps=counters.skipped_steps,
-                consecutive_skips=counters.consecutive_skips,
-                scale=self._initial.scale.scale if self._enabled else 1.0,
-                last_overflow_step=counters.last_overflow_step,
-            )
+            scale = self._initial.scale.scale if self._enabled else 1.0
+            return stats_of(scale, self._initial.counters)
         return stats_from(self._device_state.packed().tolist())
 
     def register_stats_hook(self, hook: StatsHook) -> RemovableHandle:
