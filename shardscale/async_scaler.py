@@ -138,7 +138,6 @@ class AsyncShardedGradScaler(ShardedGradScaler):
             if len(ranks) > 1:
                 own = dist.new_group(ranks)
                 self._agreement = Agreement(own, self._agreement.timeout)
-        self._dedicated = self._agreement.process_group is not None
 
     # ------------------------------------------------------------------ the iteration
 
@@ -293,7 +292,9 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         )
 
     def _check_world(self) -> None:
-        if not self._dedicated and dist.is_available() and dist.is_initialized():
+        # a group given or made at construction: only a default-group scaler lacks its own
+        dedicated = self._agreement.process_group is not None
+        if not dedicated and dist.is_available() and dist.is_initialized():
             group = self._agreement.process_group or dist.group.WORLD
             if dist.get_world_size(group) > 1:
                 raise RuntimeError(
