@@ -5,18 +5,27 @@ here, bounded by the same timeout.)
 
 Invariant: every rank of the group sees the same ``found_inf`` before ``optimizer.step()``.
 
-Each rank folds its per-device flags into ONE float32 scalar on the group's communication
-device, and the group runs ONE ``all_reduce(MAX)`` on it, however many devices and dtypes hold
-the gradients. The scalar says what the rank saw:
+Each rank writes what it saw into ONE small float32 tensor, its *ballot*, on the group's
+communication device, and the group runs ONE ``all_reduce`` on it, however many devices,
+dtypes and optimizers hold the gradients::
 
-* 0: no gradient element at all (an empty shard, or no backward on this rank);
-* 1: gradients, all finite;
-* 2: an inf or NaN in this rank's gradients.
+    [holds gradients, overflowed, has a scale, norm share]
 
-After the reduction, 0 means nobody ran backward (an error on every rank together); otherwise
-``found_inf = value - 1`` is exactly 0.0 or 1.0. Exactly: torch's fused optimizers skip
-only when ``found_inf == 1.0``, so a summed flag of 2.0 (two ranks overflowed) would make them
-step with inf gradients.
+* holds gradients: 0 for an empty shard, or a rank that ran no backward;
+* overflowed: 1 if an inf or NaN is in this rank's gradients;
+* has a scale: 0 for a rank that never called ``scale()`` (a pipeline stage before the last),
+  until the group has confirmed that some rank does;
+* norm share: this rank's part of a global gradient norm (``clip_grad_norm_`` only).
+
+The reduction is MAX, or SUM when a finite p-norm travels (its shares add up; the flags then
+count, and ``found_inf = min(overflowed, 1)``). Either way ``found_inf`` is exactly 0.0 or 1.0:
+torch's fused optimizers skip only when ``found_inf == 1.0``, so a summed flag of 2.0 (two ranks
+overflowed) would make them step with inf gradients.
+
+Only a rank that lacks something reads the result on the host (one synchronisation): a rank
+without gradients asks whether anybody had some (nobody: an error on every rank together), a rank
+that never scaled asks whether anybody did. Ranks that hold gradients and a scale never wait for
+the host.
 
 Without an initialised process group, or with a world size of 1, no collective is issued.
 
@@ -27,22 +36,36 @@ process group's own timeout (30 minutes by default).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from shardscale._devices import move
-from shardscale._errors import ShardScaleDistributedError
+from shardscale._errors import ShardScaleDistributedError, no_scale_message
 
-__all__ = ["Agreement"]
+__all__ = ["Agreement", "Verdict"]
 
 _NO_GRADS = (
     "No inf checks were recorded for this optimizer: none of its parameters has a gradient "
     "on any of the {world_size} rank(s). Call scaler.scale(loss).backward() before step()."
 )
+_HOLDS, _OVERFLOWED, _SCALED, _NORM = range(4)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What the group agreed on, identical on every rank."""
+
+    found_inf: torch.Tensor
+    """float32 scalar on the scale's device: 1.0 if any rank overflowed, else 0.0."""
+    total_norm: torch.Tensor | None = None
+    """The global gradient norm (float32 scalar), when one was exchanged; non-finite on every
+    rank when any rank overflowed."""
 
 
 def _device_of_type(device_type: str) -> torch.device:
@@ -116,94 +139,70 @@ class Agreement:
         return comm
 
     def agree(
-        self, local_flags: list[torch.Tensor], holds_grads: bool, device: torch.device, step: int
-    ) -> torch.Tensor:
-        """Combine this rank's per-device flags with every other rank's, in one collective.
+        self,
+        local_flags: list[torch.Tensor],
+        *,
+        holds_grads: bool,
+        device: torch.device,
+        step: int,
+        confirm_scale: str | None = None,
+        norm_share: torch.Tensor | None = None,
+        norm_type: float = 2.0,
+    ) -> Verdict:
+        """Combine this rank's flags (and norm share) with every other rank's, in one collective.
 
         Args:
             local_flags: float32 scalar flags from the local check, one per device holding
-                gradients (the caller's own tensors: they may be modified).
+                gradients: 1.0 where an element was non-finite.
             holds_grads: whether this rank holds any gradient element.
-            device: the scale's device, where the agreed ``found_inf`` is returned.
+            device: the scale's device, where the verdict's tensors are returned.
             step: the step being taken, for error messages.
-
-        Returns:
-            ``found_inf``: a float32 scalar on ``device``, 1.0 if any rank overflowed, else 0.0.
+            confirm_scale: the method being called (``"step"``...) on a rank that never called
+                ``scale()``, until the group confirms that some rank did (its ballot says it has
+                no scale); None otherwise.
+            norm_share: this rank's float32 share of a gradient norm (``_clip.local_norms``), to
+                travel in the same collective.
+            norm_type: that norm's p (inf: the shares combine by max).
 
         Raises:
-            RuntimeError: no rank holds any gradient (every rank raises together).
+            RuntimeError: no rank holds any gradient, or (``confirm_scale``) no rank ever called
+                ``scale()``: every rank raises together, torch's words.
             ShardScaleDistributedError: a rank did not arrive within ``timeout``, or left.
         """
-        world_size = self.world_size
-        if world_size == 1:
-            if not holds_grads:
-                raise RuntimeError(_NO_GRADS.format(world_size=1))
-            return self._local_max(local_flags, device)
-
         comm = self.comm_device(device)
-        if holds_grads:
-            flag = self._local_max(local_flags, comm).add_(1.0)
-        else:
-            flag = torch.zeros((), dtype=torch.float32, device=comm)
-        self.collective(
-            lambda async_op: dist.all_reduce(
-                flag, op=dist.ReduceOp.MAX, group=self._group, async_op=async_op
-            ),
-            step,
-            "the overflow flag (all_reduce)",
-        )
-        # Only a rank with nothing to check asks whether anybody had something: the host sync
-        # stays off the path of the ranks that hold gradients.
-        if not holds_grads and flag.item() == 0.0:
-            raise RuntimeError(_NO_GRADS.format(world_size=world_size))
-        # Some rank held gradients, so the maximum is 1 or 2: found_inf is exactly 0.0 or 1.0.
-        return move(flag.sub_(1.0), device)
-
-    def agree_with_norm(
-        self,
-        local_flags: list[torch.Tensor],
-        holds_grads: bool,
-        norm_power: torch.Tensor,
-        norm_type: float,
-        device: torch.device,
-        step: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`agree`, carrying a gradient norm's partial sums in the same collective.
-
-        The payload is ``[holds gradients, overflowed, norm_power]``: SUMmed for a finite
-        p-norm (the flags become counts; ``found_inf = overflowed > 0`` stays exactly 0/1), and
-        MAXed for the inf-norm, whose partial results combine by max.
-
-        Args:
-            norm_power: this rank's float32 share (``_clip.local_norm_power``).
-
-        Returns:
-            ``(found_inf, total_norm)`` on ``device``. ``total_norm`` is non-finite on every
-            rank when any rank overflowed.
-        """
-        comm = self.comm_device(device)
-        overflowed = self._local_max(local_flags, comm) if local_flags else _zero(comm)
-        payload = torch.stack(
-            (_zero(comm).add_(1.0 if holds_grads else 0.0), overflowed, move(norm_power, comm))
-        )
+        summed = norm_share is not None and not math.isinf(norm_type)
+        ballot = _ballot(comm, holds_grads, confirm_scale is None, norm_share is not None)
+        if local_flags:
+            ballot[_OVERFLOWED].copy_(self._local_max(local_flags, comm))
+        if norm_share is not None:
+            ballot[_NORM].copy_(move(norm_share, comm))
         if self.world_size > 1:
-            op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+            op = dist.ReduceOp.SUM if summed else dist.ReduceOp.MAX
+            what = "the overflow flag" + (" and gradient norm" if norm_share is not None else "")
             self.collective(
                 lambda async_op: dist.all_reduce(
-                    payload, op=op, group=self._group, async_op=async_op
+                    ballot, op=op, group=self._group, async_op=async_op
                 ),
                 step,
-                "the overflow flag and gradient norm (all_reduce)",
+                f"{what} (all_reduce)",
             )
-        if not holds_grads and payload[0].item() == 0.0:  # only ranks without gradients ask
-            raise RuntimeError(_NO_GRADS.format(world_size=self.world_size))
-        found_inf = (payload[1] > 0).float()
-        total = payload[2] if math.isinf(norm_type) else payload[2].pow(1.0 / norm_type)
+        if confirm_scale is not None or not holds_grads:  # the one host read, on these ranks only
+            agreed = ballot.tolist()
+            if confirm_scale is not None and agreed[_SCALED] == 0.0:
+                raise RuntimeError(no_scale_message(confirm_scale))
+            if agreed[_HOLDS] == 0.0:
+                raise RuntimeError(_NO_GRADS.format(world_size=self.world_size))
+        found_inf = ballot[_OVERFLOWED]
+        if summed:
+            found_inf = found_inf.clamp(max=1.0)  # a count of ranks: exactly 0/1 after this
+        if norm_share is None:
+            return Verdict(found_inf=move(found_inf, device))
+        total = ballot[_NORM] if not summed else ballot[_NORM].pow(1.0 / norm_type)
         # An overflow must show in the norm on every rank, whatever the sums made of it.
         total = torch.where(
             (found_inf > 0) & total.isfinite(), torch.full_like(total, math.inf), total
         )
-        return move(found_inf, device), move(total, device)
+        return Verdict(found_inf=move(found_inf, device), total_norm=move(total, device))
 
     def compare(self, fields: Mapping[str, float], device: torch.device, step: int) -> None:
         """Check that every rank holds the same ``fields``, in one all_gather.
@@ -267,5 +266,16 @@ class Agreement:
         return torch.stack([move(flag, device) for flag in local_flags]).amax()
 
 
-def _zero(device: torch.device) -> torch.Tensor:
-    return torch.zeros((), dtype=torch.float32, device=device)
+@functools.cache
+def _ballot_template(
+    device: torch.device, holds_grads: bool, has_scale: bool, with_norm: bool
+) -> torch.Tensor:
+    values = [float(holds_grads), 0.0, float(has_scale)] + ([0.0] if with_norm else [])
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _ballot(
+    device: torch.device, holds_grads: bool, has_scale: bool, with_norm: bool
+) -> torch.Tensor:
+    """A fresh ballot with the host-known slots filled: one copy kernel, no host transfer."""
+    return _ballot_template(device, holds_grads, has_scale, with_norm).clone()

@@ -9,34 +9,50 @@ check-only path of fused optimizers uses it too, with ``inv_scale`` 1.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from shardscale._devices import move
 from shardscale._grads import GradGroups
 
-__all__ = ["check_and_unscale_"]
+__all__ = ["Flags", "check_and_unscale_", "multiply_"]
+
+Flags = dict[torch.device, torch.Tensor]
+"""One float32 scalar per device holding gradients: 1.0 where any element was non-finite."""
 
 
-def check_and_unscale_(groups: GradGroups, inv_scale: torch.Tensor | None) -> list[torch.Tensor]:
+def check_and_unscale_(
+    groups: GradGroups, inv_scale: torch.Tensor | None, flags: Flags | None = None
+) -> Flags:
     """Multiply every gradient by ``inv_scale`` (if given) and flag the devices with inf/NaN.
 
     Args:
         groups: local gradient tensors by (device, dtype), from ``collect_local_grads``.
         inv_scale: float32 scalar tensor, or None to check without unscaling.
+        flags: flags to raise (the kernel only ever sets them to 1.0), so that several calls
+            (gradients to unscale, gradients only to check) end with one flag per device. New
+            zero flags when None.
 
     Returns:
-        One float32 scalar flag per device holding gradients: 1.0 where any element was
-        non-finite, else 0.0. The flags are new tensors, the caller's to modify.
+        ``flags``, with an entry for every device in ``groups``; new tensors are the caller's.
     """
-    flags: dict[torch.device, torch.Tensor] = {}
-    factors: dict[torch.device, torch.Tensor] = {}
+    flags = {} if flags is None else flags
     for (device, _dtype), grads in groups.items():
         if device not in flags:
             flags[device] = torch.zeros((), dtype=torch.float32, device=device)
-            factors[device] = (
-                torch.ones((), dtype=torch.float32, device=device)
-                if inv_scale is None
-                else move(inv_scale, device)
-            )
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, flags[device], factors[device])
-    return list(flags.values())
+        factor = _ones(device) if inv_scale is None else move(inv_scale, device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, flags[device], factor)
+    return flags
+
+
+def multiply_(groups: GradGroups, factor: torch.Tensor) -> None:
+    """Multiply every gradient in ``groups`` by the float32 scalar ``factor``, in place."""
+    for (device, _dtype), grads in groups.items():
+        torch._foreach_mul_(grads, move(factor, device))
+
+
+@functools.cache
+def _ones(device: torch.device) -> torch.Tensor:
+    """A float32 one on ``device``, made once (the check-only pass multiplies by it)."""
+    return torch.ones((), dtype=torch.float32, device=device)

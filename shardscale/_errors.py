@@ -7,7 +7,21 @@ get types of their own.
 
 from __future__ import annotations
 
-__all__ = ["ShardScaleDistributedError", "ShardScaleSkipError", "ShardScaleWarning"]
+__all__ = [
+    "ShardScaleDistributedError",
+    "ShardScaleSkipError",
+    "ShardScaleWarning",
+    "no_scale_message",
+]
+
+
+def no_scale_message(funcname: str) -> str:
+    """torch's call-order error for a scaler that never scaled a loss, in torch's words (users'
+    ``match=`` strings keep working)."""
+    return (
+        f"Attempted {funcname} but _scale is None.  This may indicate your script did not use "
+        "scaler.scale(loss or outputs) earlier in the iteration."
+    )
 
 
 class ShardScaleWarning(UserWarning):

@@ -21,12 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardscale._grads import local_values
+from shardscale._grads import original_slices
 
 __all__ = ["NonFiniteGrad", "find_nonfinite_grads", "locate", "optimizer_named_params"]
 
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-_FLAT_PARAM = "_flat_param"
 _DDP_PREFIX = "module."
 
 
@@ -65,23 +64,6 @@ def _unwrapped(module: nn.Module) -> nn.Module:
         module = inner
 
 
-def _pieces(name: str, param: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """(original name, local gradient elements) for ``param``; a flat parameter gives many."""
-    grad = param.grad
-    if grad is None:
-        return
-    local = local_values(grad)
-    if not getattr(param, "_is_flat_param", False):
-        yield clean_name(name), local
-        return
-    prefix = name[: -len(_FLAT_PARAM)] if name.endswith(_FLAT_PARAM) else f"{name}."
-    flat = local.reshape(-1)
-    for fqn, info in zip(param._fqns, param._shard_param_infos, strict=True):  # type: ignore[attr-defined]
-        if info.in_shard:
-            start = info.offset_in_shard
-            yield clean_name(prefix + fqn), flat[start : start + info.numel_in_shard]
-
-
 def optimizer_named_params(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, torch.Tensor]]:
     """The optimizer's parameters with names: its ``param_names`` if it was built from
     ``model.named_parameters()``, else their positions, ``param_groups[g][i]``.
@@ -110,7 +92,11 @@ def locate(
 
     Returns the same list on every rank: by rank, then in parameter order.
     """
-    pieces = [piece for name, param in named_params for piece in _pieces(name, param)]
+    pieces = [
+        (clean_name(piece), values)
+        for name, param in named_params
+        for piece, values in original_slices(name, param)
+    ]
     counted = [(name, values) for name, values in pieces if values.numel() > 0]
     mine: list[NonFiniteGrad] = []
     distributed = dist.is_available() and dist.is_initialized()

@@ -43,8 +43,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardscale._agree import Agreement
+from shardscale._optimizers import OptimizerTarget
 from shardscale._report import ScalerStats
 from shardscale.scaler import ShardedGradScaler, _OptimizerRecord, _Stage
 
@@ -193,11 +195,11 @@ class AsyncShardedGradScaler(ShardedGradScaler):
                 iteration.record = _OptimizerRecord(optimizer, step=self._steps + 1)
             return iteration.record, iteration.loss_scale
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+    def unscale_(self, optimizer: OptimizerTarget) -> None:
         """As :meth:`ShardedGradScaler.unscale_`, for the oldest iteration not yet stepped."""
         self._failing_safely(lambda: super(AsyncShardedGradScaler, self).unscale_(optimizer))
 
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    def step(self, optimizer: OptimizerTarget, *args: Any, **kwargs: Any) -> Any:
         """As :meth:`ShardedGradScaler.step`, for the oldest iteration not yet stepped."""
         return self._failing_safely(
             lambda: super(AsyncShardedGradScaler, self).step(optimizer, *args, **kwargs)
@@ -356,6 +358,8 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         parameters: torch.Tensor | Iterable[torch.Tensor],
         max_norm: float,
         norm_type: float = 2.0,
+        *,
+        replica_group: dist.ProcessGroup | DeviceMesh | int | None = None,
     ) -> torch.Tensor:
         """Not supported here: ``unscale_(optimizer)`` then clip (FSDP1: ``model.clip_grad_norm_``).
 

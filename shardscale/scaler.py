@@ -23,15 +23,23 @@ from typing import Any, overload
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
-from shardscale._agree import Agreement
-from shardscale._check import check_and_unscale_
-from shardscale._clip import check_clip_args, clip_, local_norm_power
+from shardscale._agree import Agreement, Verdict
+from shardscale._check import check_and_unscale_, multiply_
+from shardscale._clip import apply_, check_clip_args, collect_for_norm, local_norms
 from shardscale._devices import move
-from shardscale._errors import ShardScaleWarning
-from shardscale._grads import collect_local_grads, holds_elements, optimizer_params
+from shardscale._errors import ShardScaleWarning, no_scale_message
+from shardscale._grads import collect_local_grads, grads_device, holds_elements
 from shardscale._locate import NonFiniteGrad, locate, optimizer_named_params
+from shardscale._optimizers import (
+    OptimizerTarget,
+    Steppable,
+    optimizer_params,
+    steppables,
+    takes_scale,
+)
 from shardscale._policy import ScalePolicy
 from shardscale._report import ScalerStats, StatsHook, StepReporter, logger, stats_from, stats_of
 from shardscale._state import (
@@ -44,10 +52,7 @@ from shardscale._state import (
 
 __all__ = ["ShardedGradScaler"]
 
-_NO_SCALE = (
-    "Attempted {} but _scale is None.  This may indicate your script did not use "
-    "scaler.scale(loss or outputs) earlier in the iteration."
-)
+_CPU = torch.device("cpu")
 
 
 class _Stage(Enum):
@@ -86,6 +91,14 @@ def _device_type(device: str | torch.device | None) -> str | None:
         return torch.device(device).type
     except RuntimeError as error:
         raise ValueError(f"device must name a torch device type, got {device!r}") from error
+
+
+def _combined(found_infs: list[torch.Tensor | None]) -> torch.Tensor:
+    """The largest of agreed flags: itself when they are one tensor (the usual case)."""
+    distinct = list({id(f): f for f in found_infs if f is not None}.values())
+    if len(distinct) == 1:
+        return distinct[0]
+    return torch.stack([move(f, distinct[0].device) for f in distinct]).amax()
 
 
 def _inverse(scale: torch.Tensor) -> torch.Tensor:
@@ -281,6 +294,12 @@ class ShardedGradScaler:
         # The last step()'s decision: a bool where the host already read it, else the device flag.
         self._last_skip: bool | torch.Tensor = False
         self._warned_at_floor = False
+        # Whether this rank called scale() (a pipeline stage before the last never does).
+        self._scaled_here = False
+        # This rank's state was made by a step, not by scale(): until the group confirms that
+        # some rank scales, its gradients are checked but not modified.
+        self._scale_unconfirmed = False
+        self._warned_plain_replicas = False
 
     # ------------------------------------------------------------------ settings
 
@@ -372,6 +391,7 @@ class ShardedGradScaler:
         if self._device_state is None:
             # The scale lives where the first loss does.
             self._device_state = DeviceState.create(self._initial, output.device)
+        self._scaled_here = True
         return (output * move(self._loss_factor(), output.device)).to(output.dtype)
 
     def _loss_factor(self) -> torch.Tensor:
@@ -380,12 +400,14 @@ class ShardedGradScaler:
             self._loss_scale = self._require_state("scale").scale.clone()
         return self._loss_scale
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+    def unscale_(self, optimizer: OptimizerTarget) -> None:
         """Divide ``optimizer``'s gradients by the scale in place, and agree on overflow.
 
         Optional: :meth:`step` unscales by itself. Call it to clip or inspect unscaled
         gradients between backward and :meth:`step`. Issues this step's one collective; no
-        host synchronisation.
+        host synchronisation. ``optimizer`` may be a list of optimizers, or a container of
+        them (torchtitan's ``OptimizersContainer``, Megatron's ``ChainedOptimizer``): their
+        gradients are checked together, in that one collective.
 
         Raises:
             RuntimeError: called twice for this optimizer, or after :meth:`step`, before
@@ -393,96 +415,145 @@ class ShardedGradScaler:
         """
         if not self._enabled:
             return
-        record, scale = self._begin(optimizer, "unscale_")
-        if not self._take_clipped(record):  # clip_grad_norm_ may have unscaled these already
-            self._unscale(record, scale)
-        self._end(record)
+        leaves = [leaf for item in steppables(optimizer) for leaf in item.leaves]
+        self._ensure_state("unscale_", leaves)
+        begun = [self._begin(leaf, "unscale_") for leaf in leaves]
+        pending = []
+        for record, _scale in begun:
+            if self._take_clipped(record):  # clip_grad_norm_ unscaled these already
+                continue
+            if record.stage is _Stage.UNSCALED:
+                raise RuntimeError(
+                    "unscale_() has already been called on this optimizer since the last update()."
+                )
+            if record.stage is _Stage.STEPPED:
+                raise RuntimeError("unscale_() is being called after step().")
+            pending.append(record)
+        if pending:
+            self._check_and_agree(pending, [], begun[0][1], "unscale_")
+        for record, _scale in begun:
+            self._end(record)
 
-    def _unscale(self, record: _OptimizerRecord, scale: torch.Tensor) -> None:
-        if record.stage is _Stage.UNSCALED:
-            raise RuntimeError(
-                "unscale_() has already been called on this optimizer since the last update()."
-            )
-        if record.stage is _Stage.STEPPED:
-            raise RuntimeError("unscale_() is being called after step().")
-        record.found_inf = self._check_and_agree(record, _inverse(scale))
-        record.stage = _Stage.UNSCALED
-
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    def step(self, optimizer: OptimizerTarget, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless done), then run ``optimizer.step()`` unless any rank overflowed.
 
         Optimizers that take the scale themselves (``_step_supports_amp_scaling``: torch's
         ``fused=True``) receive ``grad_scale`` and the agreed ``found_inf`` and skip on device,
         with no host synchronisation; others cost one host synchronisation for the decision.
 
+        ``optimizer`` may also be a list of optimizers, or a container of them (torchtitan's
+        ``OptimizersContainer``: an ``Optimizer`` holding its parts in ``optimizers``;
+        Megatron's ``ChainedOptimizer``: ``chained_optimizers``): every optimizer underneath
+        is checked in ONE collective, fused ones get the scale and the flag, and the
+        container's own ``step()`` is called once. Stepping optimizers one call at a time
+        costs one collective each, as torch's rules have it.
+
         Returns:
-            What ``optimizer.step(*args, **kwargs)`` returns, or None when skipped.
+            What ``optimizer.step(*args, **kwargs)`` returns, or None when skipped; for a list,
+            a list of those.
 
         Raises:
             RuntimeError: a ``closure`` is passed, or step() already ran since :meth:`update`.
         """
+        items = steppables(optimizer)
         if not self._enabled:
-            return optimizer.step(*args, **kwargs)
+            results = [item.target.step(*args, **kwargs) for item in items]
+            return results if isinstance(optimizer, (list, tuple)) else results[0]
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        record, scale = self._begin(optimizer, "step")
-        if record.stage is _Stage.STEPPED:
+        leaves = [leaf for item in items for leaf in item.leaves]
+        self._ensure_state("step", leaves)
+        begun = [self._begin(leaf, "step") for leaf in leaves]
+        if any(record.stage is _Stage.STEPPED for record, _scale in begun):
             raise RuntimeError("step() has already been called since the last update().")
-        self._take_clipped(record)
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
-            result = self._step_on_device(optimizer, record, scale, args, kwargs)
-        else:
-            if record.stage is _Stage.READY:
-                self._unscale(record, scale)
-            assert record.found_inf is not None
-            skipped = bool(record.found_inf.item())  # the step's one host synchronisation
-            self._last_skip = skipped
-            result = None if skipped else optimizer.step(*args, **kwargs)
-            record.stage = _Stage.STEPPED
-        self._end(record)
-        return result
+        scale = begun[0][1]
+        for record, _scale in begun:
+            self._take_clipped(record)
+        ready = [record for record, _scale in begun if record.stage is _Stage.READY]
+        # Fused optimizers unscale inside their own kernel: check their gradients, don't write.
+        still_scaled = [record for record in ready if takes_scale(record.optimizer)]
+        to_unscale = [record for record in ready if not takes_scale(record.optimizer)]
+        if ready:
+            self._check_and_agree(to_unscale, still_scaled, scale, "step")
+        records = {id(record.optimizer): record for record, _scale in begun}
+        decisions: dict[int, bool] = {}  # host reads of agreed flags, one per distinct flag
+        results = []
+        for item in items:
+            item_records = [records[id(leaf)] for leaf in item.leaves]
+            found_inf = _combined([r.found_inf for r in item_records])
+            if all(takes_scale(leaf) for leaf in item.leaves):
+                results.append(
+                    self._step_on_device(item, item_records, found_inf, scale, args, kwargs)
+                )
+            else:
+                if id(found_inf) not in decisions:  # the step's one host synchronisation
+                    decisions[id(found_inf)] = bool(found_inf.item())
+                skipped = decisions[id(found_inf)]
+                results.append(
+                    None
+                    if skipped
+                    else self._step_on_device(item, item_records, found_inf, scale, args, kwargs)
+                )
+            for record in item_records:
+                record.stage = _Stage.STEPPED
+        overall = _combined([record.found_inf for record, _scale in begun])
+        self._last_skip = decisions.get(id(overall), overall)
+        for record, _scale in begun:
+            self._end(record)
+        return results if isinstance(optimizer, (list, tuple)) else results[0]
 
     def _step_on_device(
         self,
-        optimizer: torch.optim.Optimizer,
-        record: _OptimizerRecord,
+        item: Steppable,
+        records: list[_OptimizerRecord],
+        found_inf: torch.Tensor,
         scale: torch.Tensor,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        """Hand a fused/capturable optimizer the scale and the agreed flag; it skips itself."""
-        user_grad_scale = getattr(optimizer, "grad_scale", None)
-        if record.stage is _Stage.READY:
-            record.found_inf = self._check_and_agree(record, inv_scale=None)
-            grad_scale = scale if user_grad_scale is None else scale * user_grad_scale
-        else:  # already unscaled by unscale_()
-            grad_scale = user_grad_scale
-        assert record.found_inf is not None
-        self._last_skip = record.found_inf
-        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-        optimizer.found_inf = record.found_inf  # type: ignore[attr-defined]
+        """Step ``item``, handing every fused optimizer in it the scale and the agreed flag.
+
+        A fused optimizer whose gradients are still scaled gets ``grad_scale`` (times its
+        own, if the user set one); one already unscaled (``unscale_``, ``clip_grad_norm_``)
+        gets only its own. It then skips on the device if ``found_inf`` is 1.0.
+        """
+        handed = []
+        for leaf, record in zip(item.leaves, records, strict=True):
+            if not takes_scale(leaf):
+                continue
+            user_grad_scale = getattr(leaf, "grad_scale", None)
+            if record.stage is _Stage.READY:  # still scaled
+                grad_scale = scale if user_grad_scale is None else scale * user_grad_scale
+            else:
+                grad_scale = user_grad_scale
+            leaf.grad_scale = grad_scale  # type: ignore[attr-defined]
+            leaf.found_inf = found_inf  # type: ignore[attr-defined]
+            handed.append(leaf)
         try:
-            result = optimizer.step(*args, **kwargs)
+            return item.target.step(*args, **kwargs)
         finally:
-            del optimizer.grad_scale  # type: ignore[attr-defined]
-            del optimizer.found_inf  # type: ignore[attr-defined]
-        record.stage = _Stage.STEPPED
-        return result
+            for leaf in handed:
+                del leaf.grad_scale  # type: ignore[attr-defined]
+                del leaf.found_inf  # type: ignore[attr-defined]
 
     def clip_grad_norm_(
         self,
         parameters: torch.Tensor | Iterable[torch.Tensor],
         max_norm: float,
         norm_type: float = 2.0,
+        *,
+        replica_group: dist.ProcessGroup | DeviceMesh | int | None = None,
     ) -> torch.Tensor:
         """Unscale, then clip gradients to a global norm over all shards, in one collective.
 
         Replaces ``scaler.unscale_(optimizer)`` + ``torch.nn.utils.clip_grad_norm_``: the
         norm's partial sums travel in the same all-reduce as the overflow flag, so scale →
         backward → clip → :meth:`step` → :meth:`update` costs one collective per step. The
-        norm is global: every rank's shards (plain, DDP, FSDP1 flat, FSDP2 DTensor), with
-        replicas (DDP, HSDP's replicate dimension, ``Replicate`` placements) counted once.
-        No host synchronisation.
+        norm is global: every rank's shards and every pipeline stage's parameters count, and
+        replicas count once. DTensor gradients (FSDP2, HSDP, TP, expert parallel) say their
+        replicas themselves (their mesh and placements); plain tensors and FSDP1 flat
+        parameters are replicated over ``replica_group``. Two passes over the gradients (one
+        read, one read+write), no host synchronisation.
 
         Call it on every rank, after backward and before :meth:`step` of the optimizers owning
         ``parameters``; their step then reuses this check. If those optimizers were already
@@ -490,10 +561,15 @@ class ShardedGradScaler:
 
         Args:
             parameters: the parameters (or one tensor) whose gradients to clip, as given to
-                ``torch.nn.utils.clip_grad_norm_``; every rank passes its own (the FSDP/DDP
-                model's ``parameters()``).
+                ``torch.nn.utils.clip_grad_norm_``; every rank passes its own (its model or
+                pipeline stage's ``parameters()``).
             max_norm: the norm to clip to (> 0).
             norm_type: the p of the p-norm (> 0), or ``math.inf``.
+            replica_group: the ranks holding the same plain (non-DTensor) gradients as this
+                rank: a ``ProcessGroup``, a 1-D ``DeviceMesh``, or their number. None (the
+                default): every rank of the scaler's group, as under DDP. Under pipeline
+                parallelism a stage's plain parameters live on that stage's ranks only: pass
+                its data-parallel group (PP x DDP), or 1 (pure PP).
 
         Returns:
             The total (unscaled, unclipped) norm as a float32 scalar tensor, identical on every
@@ -503,12 +579,15 @@ class ShardedGradScaler:
         Raises:
             RuntimeError: called twice before :meth:`update`, or after some but not all of an
                 optimizer's parameters were unscaled; or no rank holds a gradient.
-            ValueError, TypeError: ``max_norm`` or ``norm_type`` breaks its rule.
+            ValueError, TypeError: ``max_norm``, ``norm_type`` or ``replica_group`` breaks its
+                rule.
         """
         max_norm, norm_type = check_clip_args(max_norm, norm_type)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        replicas = self._replicas_of(replica_group)
         if not self._enabled:
-            return self._clip_unscaled(params, max_norm, norm_type)
+            return self._clip(params, max_norm, norm_type, replicas, None).total_norm  # type: ignore[return-value]
+        self._ensure_state("clip_grad_norm_", params)
         scale = self._require_state("clip_grad_norm_").scale
         if self._clipped is not None:
             raise RuntimeError("clip_grad_norm_() has already been called since the last update().")
@@ -516,44 +595,100 @@ class ShardedGradScaler:
         unscaled = [r for r in self._records.values() if r.stage is not _Stage.READY]
         done = {id(p) for r in unscaled for p in optimizer_params(r.optimizer)}
         if done and ids <= done:  # unscale_() ran for these already: exchange only the norm
-            return self._clip_unscaled(params, max_norm, norm_type)
+            return self._clip(params, max_norm, norm_type, replicas, None).total_norm  # type: ignore[return-value]
         if ids & done:
             raise RuntimeError(
                 "clip_grad_norm_() got parameters of which some, but not all, were already "
                 "unscaled by unscale_(): clip each optimizer's parameters after its unscale_(), "
                 "or all of them before any unscale_()"
             )
-        with torch.no_grad():
-            groups = collect_local_grads(params)
-            local_flags = check_and_unscale_(groups, _inverse(scale))
-            norm_power = local_norm_power(
-                params, norm_type, self._agreement.world_size, scale.device
-            )
-            found_inf, total = self._agreement.agree_with_norm(
-                local_flags,
-                holds_elements(groups),
-                norm_power,
-                norm_type,
-                scale.device,
-                self._steps + 1,
-            )
-            clip_(groups, max_norm, total)
-        self._clipped = _Clipped(param_ids=ids, found_inf=found_inf)
-        return total
+        verdict = self._clip(params, max_norm, norm_type, replicas, scale)
+        self._clipped = _Clipped(param_ids=ids, found_inf=verdict.found_inf)
+        assert verdict.total_norm is not None
+        return verdict.total_norm
 
-    def _clip_unscaled(
-        self, params: list[torch.Tensor], max_norm: float, norm_type: float
-    ) -> torch.Tensor:
-        """Clip gradients that are already unscaled: only the norm needs exchanging."""
-        with torch.no_grad():
-            groups = collect_local_grads(params)
-            device = next(iter(groups))[0] if groups else torch.device("cpu")
-            norm_power = local_norm_power(params, norm_type, self._agreement.world_size, device)
-            _, total = self._agreement.agree_with_norm(
-                [], holds_elements(groups), norm_power, norm_type, device, self._steps + 1
+    def _replicas_of(self, replica_group: dist.ProcessGroup | DeviceMesh | int | None) -> int:
+        if replica_group is None:
+            return self._agreement.world_size
+        if isinstance(replica_group, DeviceMesh):
+            if replica_group.ndim != 1:
+                raise ValueError(
+                    f"replica_group must be a 1-D DeviceMesh, got one of shape "
+                    f"{tuple(replica_group.shape)}: slice it by the data-parallel dimension"
+                )
+            return replica_group.size()
+        if isinstance(replica_group, dist.ProcessGroup):
+            return dist.get_world_size(replica_group)
+        if isinstance(replica_group, bool) or not isinstance(replica_group, int):
+            raise TypeError(
+                "replica_group must be a ProcessGroup, a 1-D DeviceMesh, an int or None, got "
+                f"{type(replica_group).__name__}"
             )
-            clip_(groups, max_norm, total)
-        return total
+        world_size = self._agreement.world_size
+        if not 1 <= replica_group <= world_size:
+            raise ValueError(
+                f"replica_group must be in [1, {world_size}] (the scaler's group size), got "
+                f"{replica_group}"
+            )
+        return replica_group
+
+    def _clip(
+        self,
+        params: list[torch.Tensor],
+        max_norm: float,
+        norm_type: float,
+        replicas: int,
+        scale: torch.Tensor | None,
+    ) -> Verdict:
+        """Norm (one read), agreement (one collective), unscale and clip (one read+write).
+
+        ``scale``: the scale the gradients still carry, or None if they carry none (already
+        unscaled, or a disabled scaler): then only the norm is exchanged.
+        """
+        with torch.no_grad():
+            norm_groups = collect_for_norm(params, replicas)
+            self._warn_if_plain_replicas_assumed(norm_groups.plain, replicas)
+            if scale is not None:
+                device = scale.device
+                inv_scale = _inverse(scale)
+            else:
+                device = next(iter(norm_groups.groups))[0] if norm_groups.groups else _CPU
+                inv_scale = torch.ones((), dtype=torch.float32, device=device)
+            share, flags = local_norms(norm_groups, norm_type, inv_scale, device)
+            if scale is not None and not norm_groups.norm_flags_exact(norm_type):
+                flags = check_and_unscale_(norm_groups.by_device_dtype(), None)
+            confirm = "clip_grad_norm_" if scale is not None and self._scale_unconfirmed else None
+            verdict = self._agreement.agree(
+                list(flags.values()) if scale is not None else [],
+                holds_grads=norm_groups.holds_elements(),
+                device=device,
+                step=self._steps + 1,
+                confirm_scale=confirm,
+                norm_share=share,
+                norm_type=norm_type,
+            )
+            self._scale_unconfirmed = self._scale_unconfirmed and confirm is None
+            assert verdict.total_norm is not None
+            apply_(norm_groups, max_norm, verdict.total_norm, None if scale is None else inv_scale)
+        return verdict
+
+    def _warn_if_plain_replicas_assumed(self, plain: bool, replicas: int) -> None:
+        """Warn, once, where the default replica group is most likely wrong: a pipeline stage."""
+        world_size = self._agreement.world_size
+        if not plain or self._scaled_here or replicas != world_size or world_size == 1:
+            return
+        if self._warned_plain_replicas:
+            return
+        self._warned_plain_replicas = True
+        warnings.warn(
+            "clip_grad_norm_ on a rank that never called scale() (a pipeline stage that computes "
+            "no loss?) got plain (non-DTensor) gradients and, with replica_group=None, takes "
+            f"them as replicated on all {world_size} ranks of the scaler's group (as under DDP). "
+            "If they are this stage's own, pass replica_group= (the stage's data-parallel group, "
+            "or 1 for pure pipeline parallelism): otherwise the norm is too small.",
+            ShardScaleWarning,
+            stacklevel=3,
+        )
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Move the scale: back off if any optimizer skipped, grow after enough clean steps.
@@ -795,8 +930,31 @@ class ShardedGradScaler:
 
     def _require_state(self, funcname: str) -> DeviceState:
         if self._device_state is None:
-            raise RuntimeError(_NO_SCALE.format(funcname))
+            raise RuntimeError(no_scale_message(funcname))
         return self._device_state
+
+    def _ensure_state(
+        self, funcname: str, source: Iterable[torch.optim.Optimizer] | list[torch.Tensor]
+    ) -> None:
+        """Give a rank that never called ``scale()`` its state, where its gradients are.
+
+        In a pipeline only the last stage computes a loss; the others never call ``scale()``,
+        yet hold the same scale (every rank does) and must check, step and update with the
+        rest. Alone in its group, a rank without a scale raises torch's error instead: nobody
+        else can have scaled its loss.
+        """
+        if self._device_state is not None:
+            return
+        if self._agreement.world_size == 1:
+            raise RuntimeError(no_scale_message(funcname))
+        items = list(source)
+        params = (
+            [p for optimizer in items for p in optimizer_params(optimizer)]  # type: ignore[arg-type]
+            if items and not isinstance(items[0], torch.Tensor)
+            else items
+        )
+        self._device_state = DeviceState.create(self._initial, grads_device(params))  # type: ignore[arg-type]
+        self._scale_unconfirmed = True
 
     def _begin(
         self, optimizer: torch.optim.Optimizer, funcname: str
@@ -821,7 +979,7 @@ class ShardedGradScaler:
         if mine <= clipped.param_ids:
             record.found_inf = clipped.found_inf
             record.stage = _Stage.UNSCALED
-            self._locate_if_overflowed(clipped.found_inf, record)
+            self._locate_if_overflowed(clipped.found_inf, [record])
             return True
         if mine & clipped.param_ids:
             raise RuntimeError(
@@ -831,26 +989,60 @@ class ShardedGradScaler:
         return False
 
     def _check_and_agree(
-        self, record: _OptimizerRecord, inv_scale: torch.Tensor | None
-    ) -> torch.Tensor:
-        device = self._require_state("step").scale.device
-        with torch.no_grad():
-            groups = collect_local_grads(optimizer_params(record.optimizer))
-            local_flags = check_and_unscale_(groups, inv_scale)
-        found_inf = self._agreement.agree(local_flags, holds_elements(groups), device, record.step)
-        self._locate_if_overflowed(found_inf, record)
-        return found_inf
+        self,
+        to_unscale: list[_OptimizerRecord],
+        to_check: list[_OptimizerRecord],
+        scale: torch.Tensor,
+        funcname: str,
+    ) -> None:
+        """Check (and unscale) the records' gradients, then agree on ONE flag for all of them.
 
-    def _locate_if_overflowed(self, found_inf: torch.Tensor, record: _OptimizerRecord) -> None:
+        ``to_unscale``'s gradients are divided by the scale in place (their stage becomes
+        UNSCALED); ``to_check``'s are only checked (fused optimizers unscale them in their own
+        kernel). Every record gets the agreed ``found_inf``. On a rank that never called
+        ``scale()`` nothing is modified until the group has confirmed that some rank did.
+        """
+        confirm = funcname if self._scale_unconfirmed else None
+        inv_scale = _inverse(scale)
+        with torch.no_grad():
+            unscale_groups = collect_local_grads(
+                p for record in to_unscale for p in optimizer_params(record.optimizer)
+            )
+            check_groups = collect_local_grads(
+                p for record in to_check for p in optimizer_params(record.optimizer)
+            )
+            flags = check_and_unscale_(unscale_groups, None if confirm else inv_scale)
+            flags = check_and_unscale_(check_groups, None, flags)
+            records = to_unscale + to_check
+            verdict = self._agreement.agree(
+                list(flags.values()),
+                holds_grads=holds_elements(unscale_groups) or holds_elements(check_groups),
+                device=scale.device,
+                step=records[0].step,
+                confirm_scale=confirm,
+            )
+            if confirm:  # the group confirmed that some rank scaled: unscale now
+                self._scale_unconfirmed = False
+                multiply_(unscale_groups, inv_scale)
+        for record in records:
+            record.found_inf = verdict.found_inf
+        for record in to_unscale:
+            record.stage = _Stage.UNSCALED
+        self._locate_if_overflowed(verdict.found_inf, records)
+
+    def _locate_if_overflowed(
+        self, found_inf: torch.Tensor, records: list[_OptimizerRecord]
+    ) -> None:
         """With ``locate_overflow``: on an overflow step, find and log the non-finite grads."""
         if not (self._locate_overflow and found_inf.item()):  # every rank reads the same flag
             return
         self._last_overflow = locate(
-            optimizer_named_params(record.optimizer), self._agreement.process_group
+            (pair for record in records for pair in optimizer_named_params(record.optimizer)),
+            self._agreement.process_group,
         )
         logger.warning(
             "step %d overflowed; non-finite gradients at: %s",
-            record.step,
+            records[0].step,
             "; ".join(map(str, self._last_overflow)) or "(none: already cleared)",
         )
 
