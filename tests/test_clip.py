@@ -267,3 +267,96 @@ def test_clip_disabled_scaler_clips_like_torch() -> None:
     assert norm.item() == pytest.approx(torch_norm.item(), rel=1e-6)
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def _rank_clip_fsdp2_tp(rank: int, world_size: int) -> dict[str, Any]:
+    """FSDP2 x TP on a (dp=2, tp=2) mesh: 2-D DTensor gradients, some replicated over tp."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = mlp()
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    scaler = ShardedGradScaler(init_scale=SCALE)
+    # tensor-parallel ranks share their inputs; data-parallel ranks differ
+    inputs = torch.randn(4, 16, generator=torch.Generator().manual_seed(mesh.get_local_rank("dp")))
+    scaler.scale(model(inputs).pow(2).mean()).backward()
+    return _norm_against_full_grads(scaler, list(model.parameters()))
+
+
+def _norm_against_full_grads(
+    scaler: ShardedGradScaler, params: list[torch.Tensor]
+) -> dict[str, Any]:
+    """Our clip norm, and the norm of the gathered full gradients."""
+    power = torch.zeros((), dtype=torch.float64)
+    for param in params:
+        grad = param.grad
+        full = grad.full_tensor() if isinstance(grad, DTensor) else grad
+        power += torch.linalg.vector_norm(full.double() / SCALE) ** 2
+    with count_collectives() as counts:
+        norm = scaler.clip_grad_norm_(params, 1e-3)
+    return {"norm": norm.item(), "expected": math.sqrt(power.item()), "collectives": counts}
+
+
+def test_clip_fsdp2_tp_norm_is_global() -> None:
+    for result in run_ranks(_rank_clip_fsdp2_tp, 4, timeout_s=180):
+        assert result["norm"] == pytest.approx(result["expected"], rel=1e-5)
+        assert result["collectives"] == {"c10d::allreduce_": 1}
+
+
+def _rank_clip_experts(rank: int, world_size: int, layout: str) -> dict[str, Any]:
+    """Expert-parallel weights: ``Shard(0)`` over the ep dimension of a (dp=2, ep=2) mesh.
+
+    ``replicated``: the experts are a DTensor on the whole mesh, replicated over dp (each
+    expert shard on two ranks: counted once). ``disjoint``: each dp row holds its OWN experts,
+    a DTensor on its row's ep sub-mesh (like two pipeline stages: their norms add up). A plain
+    dense layer, identical on every rank, sits in front.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    row = mesh.get_local_rank("dp")
+    torch.manual_seed(0 if layout == "replicated" else 1 + row)
+    experts_full = torch.randn(4, 8, 8)
+    if layout == "replicated":
+        experts = nn.Parameter(distribute_tensor(experts_full, mesh, [Replicate(), Shard(0)]))
+    else:
+        experts = nn.Parameter(distribute_tensor(experts_full, mesh["ep"], [Shard(0)]))
+    torch.manual_seed(1234)
+    dense = nn.Linear(8, 8)
+    scaler = ShardedGradScaler(init_scale=SCALE)
+    hidden = dense(torch.randn(2, 8, generator=torch.Generator().manual_seed(7)))
+    output = torch.einsum("bi,eij->bj", hidden, experts.to_local())
+    scaler.scale(output.pow(2).mean()).backward()
+    for param in dense.parameters():  # data parallelism's job: the dense replicas agree
+        dist.all_reduce(param.grad)  # type: ignore[arg-type]
+    expert_power = torch.linalg.vector_norm(experts.grad.full_tensor().double() / SCALE) ** 2
+    if layout == "disjoint":  # each row's own experts: sum the rows (2 ranks per row)
+        expert_power = expert_power / 2
+        dist.all_reduce(expert_power)
+    dense_power = sum(
+        torch.linalg.vector_norm(p.grad.double() / SCALE) ** 2 for p in dense.parameters()
+    )
+    with count_collectives() as counts:
+        norm = scaler.clip_grad_norm_([experts, *dense.parameters()], 1e-3)
+    return {
+        "norm": norm.item(),
+        "expected": math.sqrt((expert_power + dense_power).item()),
+        "collectives": counts,
+    }
+
+
+@pytest.mark.parametrize("layout", ["replicated", "disjoint"])
+def test_clip_expert_shards_on_a_sub_mesh_sum_and_replicas_count_once(layout: str) -> None:
+    for result in run_ranks(_rank_clip_experts, 4, layout, timeout_s=180):
+        assert result["norm"] == pytest.approx(result["expected"], rel=1e-5)
+        assert result["collectives"] == {"c10d::allreduce_": 1}

@@ -296,7 +296,7 @@ def test_inspect_tampered_checkpoint_fails(
     flat = tmp_path / "checkpoint.pt"
     dcp_to_torch_save(runs["checkpoints"] / "step_000006", flat)
     state = torch.load(flat, weights_only=False)
-    state["app"]["optim"]["state"]["head.weight"]["step"] += 1  # one shard "stepped" alone
+    state["app"]["optim"]["state.head.weight.step"] += 1  # one shard "stepped" alone
     torch.save(state, flat)
     tampered = tmp_path / "tampered"
     torch_save_to_dcp(flat, tampered)
@@ -341,3 +341,87 @@ def test_train_rank_killed_torchrun_restarts_and_resumes_intact(
     assert summary["ranks_agree"] is True
     for key in ("steps", "skipped_steps", "final_loss", "final_scale", "eval_loss"):
         assert summary[key] == full[key], key
+
+
+# ------------------------------------------------------------------ pipeline stages
+
+# The inf lands in stage 0, which computes no loss and never calls scaler.scale().
+PIPELINE_JOB = [*JOB[:-1], "0", "--parallel", "pp"]
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """2 stages on 2 ranks: uninterrupted, and interrupted after step 4 then resumed."""
+    folder = tmp_path_factory.mktemp("pipeline")
+    checkpoints = folder / "checkpoints"
+    full = torchrun(2, *PIPELINE_JOB, "--summary-json", str(folder / "full.json"))
+    saving = ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "2"]
+    torchrun(
+        2, *PIPELINE_JOB, *saving, "--exit-after", "4", "--summary-json", str(folder / "a.json")
+    )
+    torchrun(2, *PIPELINE_JOB, *saving, "--resume", "--summary-json", str(folder / "b.json"))
+    return {
+        "full": _summary(folder / "full.json"),
+        "first": _summary(folder / "a.json"),
+        "resumed": _summary(folder / "b.json"),
+        "output": full.stdout,
+    }
+
+
+def test_train_pipeline_first_stage_overflow_skips_every_stage(
+    pipeline_runs: dict[str, Any],
+) -> None:
+    full = pipeline_runs["full"]
+    assert (full["steps"], full["skipped_steps"], full["pipeline_stages"]) == (6, 2, 2)
+    assert full["ranks_agree"] is True  # each stage's parameters, every rank's steps and scale
+    assert [h["step"] for h in full["history"] if h["skipped"]] == [3, 6]
+    norms = [h["grad_norm"] for h in full["history"]]
+    assert [math.isfinite(n) for n in norms] == [not h["skipped"] for h in full["history"]]
+    assert (
+        "step 3: skipped on all 2 rank(s) (non-finite gradients); scale 131072 -> 65536; "
+        "located at rank 0: token_embedding.weight (1 inf, 0 NaN)"
+    ) in pipeline_runs["output"]
+    assert "2 (gloo, pp, 2 stages)" in pipeline_runs["output"]
+
+
+def test_train_pipeline_interrupted_and_resumed_equals_uninterrupted(
+    pipeline_runs: dict[str, Any],
+) -> None:
+    full, first, resumed = (pipeline_runs[k] for k in ("full", "first", "resumed"))
+    assert first["history"] + resumed["history"] == full["history"]
+    for key in ("skipped_steps", "final_loss", "final_scale", "eval_loss"):
+        assert resumed[key] == full[key], key
+
+
+def test_train_pp_fsdp2_one_shard_overflows_and_resumes_at_another_layout(tmp_path: Path) -> None:
+    """2 stages x 2 FSDP2 shards on 4 ranks, an inf in rank 1 (stage 0, second shard) only;
+    its checkpoint then loads into 2 plain stages on 2 ranks: the same weights and scaler."""
+    checkpoints = tmp_path / "checkpoints"
+    torchrun(
+        4,
+        *JOB[:-1],
+        "1",
+        "--parallel",
+        "pp_fsdp2",
+        "--checkpoint-dir",
+        str(checkpoints),
+        "--summary-json",
+        str(tmp_path / "a.json"),
+        timeout=420,
+    )
+    four = _summary(tmp_path / "a.json")
+    assert (four["world_size"], four["pipeline_stages"], four["ranks_agree"]) == (4, 2, True)
+    assert [h["step"] for h in four["history"] if h["skipped"]] == [3, 6]
+    torchrun(
+        2,
+        *PIPELINE_JOB,
+        "--checkpoint-dir",
+        str(checkpoints),
+        "--resume",
+        "--summary-json",
+        str(tmp_path / "b.json"),
+    )
+    two = _summary(tmp_path / "b.json")
+    assert two["history"] == []  # resumed at its last step: nothing left to train
+    assert (two["final_scale"], two["skipped_steps"]) == (four["final_scale"], 2)
+    assert two["eval_loss"] == pytest.approx(four["eval_loss"], rel=1e-6)
