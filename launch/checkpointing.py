@@ -24,13 +24,23 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 _NAME = re.compile(r"^step_(\d{6,})$")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, partial or corrupt; the message names the file."""
+
+
+# Optimizer state keyed by parameter name (``param_groups.<name>.lr``), not as a list of param
+# groups: DCP keeps ONE copy of a non-tensor value saved under the same key on every rank, so
+# pipeline stages, whose param groups hold different parameters, would overwrite each other's.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class ModelAndOptimizer:
@@ -40,7 +50,7 @@ class ModelAndOptimizer:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
         return {"model": model_state, "optim": optimizer_state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -49,6 +59,7 @@ class ModelAndOptimizer:
             self.optimizer,
             model_state_dict=state_dict["model"],
             optim_state_dict=state_dict["optim"],
+            options=_OPTIONS,
         )
 
 

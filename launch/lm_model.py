@@ -53,11 +53,13 @@ class GPT(nn.Module):
         super().__init__()
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.position_embedding = nn.Embedding(config.seq_len, config.d_model)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.norm = nn.LayerNorm(config.d_model)
-        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # A dict keyed by layer number (names as a ModuleList's): a pipeline stage drops the
+        # layers it does not hold and keeps the full model's parameter names.
+        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
+        self.norm: nn.LayerNorm | None = nn.LayerNorm(config.d_model)
+        self.head: nn.Linear | None = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.apply(self._init_weights)
-        for block in self.blocks:  # GPT-2: residual projections shrink with depth
+        for block in self.blocks.values():  # GPT-2: residual projections shrink with depth
             for projection in (block.out, block.mlp[2]):
                 nn.init.normal_(projection.weight, std=0.02 / (2 * config.n_layers) ** 0.5)
 
@@ -69,12 +71,36 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.token_embedding(tokens) + self.position_embedding(positions)
-        for block in self.blocks:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens to logits; a pipeline stage without the embeddings or the head takes or
+        returns the residual stream instead."""
+        if self.token_embedding is not None:
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.token_embedding(x) + self.position_embedding(positions)
+        for block in self.blocks.values():
             x = block(x)
-        return self.head(self.norm(x))
+        if self.head is not None:
+            assert self.norm is not None
+            x = self.head(self.norm(x))
+        return x
+
+    def keep_stage(self, stage: int, stages: int) -> None:
+        """Drop every layer that pipeline stage ``stage`` of ``stages`` does not hold.
+
+        The blocks are split evenly; the first stage keeps the embeddings, the last the final
+        norm and the head. Names stay the full model's, so checkpoints are keyed alike.
+        """
+        layers = len(self.blocks)
+        if not 1 <= stages <= layers:
+            raise ValueError(f"stages must be in [1, {layers}] (the layers), got {stages}")
+        first, last = stage * layers // stages, (stage + 1) * layers // stages
+        for name in list(self.blocks):
+            if not first <= int(name) < last:
+                del self.blocks[name]
+        if stage > 0:
+            self.token_embedding = self.position_embedding = None  # type: ignore[assignment]
+        if stage < stages - 1:
+            self.norm = self.head = None
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

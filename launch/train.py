@@ -4,7 +4,8 @@
     bash launch/run.sh --steps 200 --plot runs/train.png                # the same, via the launcher
 
 It trains on the standard library's docstrings (no download), under FSDP2 by default (or FSDP1,
-DDP, or one process), in fp16 with ``shardscale.ShardedGradScaler`` (bf16 and fp32 use its static
+DDP, pipeline stages ``pp``, pipeline stages sharded with FSDP2 ``pp_fsdp2``, or one process),
+in fp16 with ``shardscale.ShardedGradScaler`` (bf16 and fp32 use its static
 guard: scale 1, non-finite steps still skipped on every rank together). NCCL and the local GPU
 are used when CUDA is there, gloo and the CPU otherwise: the script is the same.
 
@@ -34,7 +35,9 @@ import torch
 import torch.distributed as dist
 from lm_data import Batches, build_corpus
 from lm_model import GPT, Block, GPTConfig, lm_loss
-from replicas import local_grad_shards, ranks_agree, state_digest
+from pipeline import LAYOUTS as PIPELINE_LAYOUTS
+from pipeline import Pipeline
+from replicas import local_grad_shards, params_digest, ranks_agree, steps_digest
 from torch import nn
 
 from shardscale import ShardedGradScaler
@@ -49,7 +52,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     add = parser.add_argument
     add("--steps", type=int, default=100, help="total optimizer steps (a resumed run counts on)")
-    add("--parallel", choices=("fsdp2", "fsdp1", "ddp", "none"), default="fsdp2")
+    add(
+        "--parallel",
+        choices=("fsdp2", "fsdp1", "ddp", "none", *PIPELINE_LAYOUTS),
+        default="fsdp2",
+        help="pp: one pipeline stage per rank; pp_fsdp2: 2 stages, each FSDP2 over half the ranks",
+    )
+    add(
+        "--microbatches",
+        type=int,
+        default=4,
+        help="pipeline microbatches per step (pp, pp_fsdp2); must divide --batch-size",
+    )
     add("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
     add("--no-loss-scaling", action="store_true", help="fp16 without a scaler (for comparison)")
     add("--batch-size", type=int, default=16, help="sequences per rank per step")
@@ -114,7 +128,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("steps", "batch_size", "seq_len", "d_model", "layers", "heads", "log_every"):
+    for name in (
+        "steps",
+        "batch_size",
+        "seq_len",
+        "d_model",
+        "layers",
+        "heads",
+        "log_every",
+        "microbatches",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not args.loss_divisor >= 1.0:
@@ -126,6 +149,11 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     for name in ("checkpoint_every", "inject_inf_every", "eval_batches", "verify_every"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.parallel in PIPELINE_LAYOUTS and args.batch_size % args.microbatches:
+        parser.error(
+            f"--batch-size must be a multiple of --microbatches ({args.microbatches}), "
+            f"got {args.batch_size}"
+        )
     if args.d_model % args.heads:
         parser.error(f"--d-model must be a multiple of --heads ({args.heads}), got {args.d_model}")
     if (args.resume or args.checkpoint_every) and args.checkpoint_dir is None:
@@ -201,7 +229,7 @@ def _wrap(model: nn.Module, parallel: str, device: torch.device) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for block in model.blocks:  # type: ignore[union-attr]
+    for block in model.blocks.values():  # type: ignore[union-attr, operator]
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
@@ -320,13 +348,31 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     config = GPTConfig(
         seq_len=args.seq_len, d_model=args.d_model, n_heads=args.heads, n_layers=args.layers
     )
-    model = _wrap(GPT(config).to(device), args.parallel, device)
+    autocast_dtype = _COMPUTE_DTYPES[args.precision]
+
+    def autocast() -> Any:
+        if autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(device.type, dtype=autocast_dtype)
+
+    scaler = _make_scaler(args)
+    pipeline: Pipeline | None = None
+    if args.parallel in PIPELINE_LAYOUTS:
+        pipeline = Pipeline(
+            args.parallel, config, device, scaler, args.microbatches, args.loss_divisor, autocast
+        )
+        model: nn.Module = pipeline.module
+        data_rank, data_ranks, stage = pipeline.dp_rank, pipeline.dp_size, pipeline.stage
+    else:
+        model = _wrap(GPT(config).to(device), args.parallel, device)
+        data_rank, data_ranks, stage = rank, world_size, 0
     # eps / D keeps AdamW's update what it is at D = 1: only the gradients' range moves.
     # Built from named parameters, so that located overflows are named.
     optimizer = torch.optim.AdamW(
         model.named_parameters(), lr=args.lr, eps=1e-8 / args.loss_divisor
     )
-    scaler = _make_scaler(args)
+    # Plain pipeline-stage parameters live on their stage's ranks only; the clip norm is told.
+    replica_group = pipeline.replica_group if pipeline is not None else None
     # The job prints skips and located overflows itself, once (rank 0), beside its progress bar:
     # the library's log lines would repeat them on every rank.
     logging.getLogger("shardscale").setLevel(logging.ERROR)
@@ -364,25 +410,25 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         )
     start = train_state["step"]
 
-    autocast_dtype = _COMPUTE_DTYPES[args.precision]
     history: list[dict[str, Any]] = []
-    tokens_per_step = args.batch_size * args.seq_len * world_size
+    tokens_per_step = args.batch_size * args.seq_len * data_ranks
     started = time.perf_counter()
     stop = args.steps if args.exit_after is None else min(args.steps, args.exit_after)
     # Host-side copies, so the loop reads the device once per step (the new scale), not more.
     scale = scaler.get_scale()
     skipped_total = scaler.state_dict().get("skipped_steps", 0)
     for step in range(start, stop):
-        inputs, targets = (t.to(device) for t in batches.train_batch(step, rank, world_size))
-        autocast = (
-            torch.autocast(device.type, dtype=autocast_dtype)
-            if autocast_dtype is not None
-            else nullcontext()
-        )
-        with autocast:
-            loss = lm_loss(model(inputs), targets)
+        inputs, targets = (t.to(device) for t in batches.train_batch(step, data_rank, data_ranks))
         optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss / args.loss_divisor).backward()
+        if pipeline is not None:  # the last stage scales its loss; the schedule runs backward
+            global_loss = pipeline.forward_backward(inputs, targets)
+        else:
+            with autocast():
+                loss = lm_loss(model(inputs), targets)
+            scaler.scale(loss / args.loss_divisor).backward()
+            global_loss = loss.detach().double()
+            dist.all_reduce(global_loss)
+            global_loss /= world_size
         if args.fail_at_step == step + 1 and rank == args.fail_rank and not restart:
             print(f"rank {rank}: killed at step {step + 1} (--fail-at-step)", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -394,19 +440,19 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             _plant_inf(optimizer)
         zeros = _zero_fraction(optimizer, device) if args.track_underflow else None
         grad_norm = (
-            scaler.clip_grad_norm_(model.parameters(), args.clip_norm) if args.clip_norm else None
+            scaler.clip_grad_norm_(model.parameters(), args.clip_norm, replica_group=replica_group)
+            if args.clip_norm
+            else None
         )
         scaler.step(optimizer)
         scaler.update()
         skipped = scaler.last_step_skipped  # free after AdamW's (non-fused) step
         skipped_total += skipped
         scale_used, scale = scale, scaler.get_scale()
-        global_loss = loss.detach().float().clone()
-        dist.all_reduce(global_loss)
         history.append(
             {
                 "step": step + 1,
-                "loss": global_loss.item() / world_size,
+                "loss": global_loss.item(),
                 "scale": scale,
                 "skipped": skipped,
             }
@@ -415,7 +461,7 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             history[-1]["zero_grad_fraction"] = zeros
         if grad_norm is not None:
             history[-1]["grad_norm"] = grad_norm.item()  # unscaled, global; inf when skipped
-        train_state.update(step=step + 1, samples_seen=(step + 1) * args.batch_size * world_size)
+        train_state.update(step=step + 1, samples_seen=(step + 1) * args.batch_size * data_ranks)
         if skipped:
             located = "; ".join(map(str, scaler.last_overflow))
             progress.note(
@@ -443,8 +489,13 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         state["rng"] = torch.get_rng_state()
         checkpointing.save(args.checkpoint_dir, final_step, state)
 
-    eval_loss = _evaluate(model, batches, args.eval_batches, device, autocast_dtype)
-    agree = ranks_agree(state_digest(model, optimizer, repr(sorted(scaler.state_dict().items()))))
+    eval_loss = _evaluate(model, pipeline, batches, args.eval_batches, device, autocast)
+    # Ranks of one stage hold the same parameters; every rank the same steps and scaler state.
+    agree = ranks_agree(
+        params_digest(model),
+        steps_digest(optimizer, repr(sorted(scaler.state_dict().items()))),
+        stage,
+    )
     scaler_state = scaler.state_dict()
     return {
         "steps": final_step,
@@ -456,6 +507,7 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "world_size": world_size,
         "ranks_agree": agree,
         "parallel": args.parallel,
+        "pipeline_stages": pipeline.stages if pipeline is not None else 1,
         "precision": args.precision,
         "loss_scaling": scaler.is_enabled() and args.precision == "fp16",
         "backend": str(dist.get_backend()),
@@ -468,25 +520,26 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
 @torch.no_grad()
 def _evaluate(
     model: nn.Module,
+    pipeline: Pipeline | None,
     batches: Batches,
     count: int,
     device: torch.device,
-    autocast_dtype: torch.dtype | None,
+    autocast: Any,
 ) -> float | None:
     """Mean held-out loss over ``count`` fixed batches, averaged over ranks."""
     if count == 0:
         return None
     total = torch.zeros((), dtype=torch.float64, device=device)
     for inputs, targets in batches.held_out_batches(count):
-        autocast = (
-            torch.autocast(device.type, dtype=autocast_dtype)
-            if autocast_dtype is not None
-            else nullcontext()
-        )
-        with autocast:
-            total += lm_loss(model(inputs.to(device)), targets.to(device)).double()
-    dist.all_reduce(total)
-    return float(total.item()) / (count * dist.get_world_size())
+        inputs, targets = inputs.to(device), targets.to(device)
+        if pipeline is not None:
+            total += pipeline.evaluate(inputs, targets)  # the same on every rank already
+        else:
+            with autocast():
+                total += lm_loss(model(inputs), targets).double() / dist.get_world_size()
+    if pipeline is None:
+        dist.all_reduce(total)
+    return float(total.item()) / count
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
@@ -496,7 +549,12 @@ def _print_summary(summary: dict[str, Any]) -> None:
         ("final training loss", f"{summary['final_loss']:.4f}" if summary["final_loss"] else "-"),
         ("held-out loss", f"{summary['eval_loss']:.4f}" if summary["eval_loss"] else "-"),
         ("final scale", f"{summary['final_scale']:g}"),
-        ("world size", f"{summary['world_size']} ({summary['backend']}, {summary['parallel']})"),
+        (
+            "world size",
+            f"{summary['world_size']} ({summary['backend']}, {summary['parallel']}"
+            + (f", {summary['pipeline_stages']} stages" if summary["pipeline_stages"] > 1 else "")
+            + ")",
+        ),
         (
             "precision",
             summary["precision"]
