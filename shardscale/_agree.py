@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -48,13 +48,26 @@ import torch.distributed as dist
 from shardscale._devices import move
 from shardscale._errors import ShardScaleDistributedError, no_scale_message
 
-__all__ = ["Agreement", "Verdict"]
+__all__ = ["Agreement", "Ballot", "Verdict"]
 
 _NO_GRADS = (
     "No inf checks were recorded for this optimizer: none of its parameters has a gradient "
     "on any of the {world_size} rank(s). Call scaler.scale(loss).backward() before step()."
 )
 _HOLDS, _OVERFLOWED, _SCALED, _NORM = range(4)
+
+
+@dataclass(frozen=True, slots=True)
+class Ballot:
+    """What this rank puts into the collective: ``[holds, overflowed, has a scale, norm]``."""
+
+    tensor: torch.Tensor
+    holds_grads: bool
+    """What the holds slot says, known on the host (a rank without gradients reads the result)."""
+
+    def flags(self) -> dict[torch.device, torch.Tensor]:
+        """Flags for the local check: its overflow slot, for gradients on the ballot's device."""
+        return {self.tensor.device: self.tensor[_OVERFLOWED]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,30 +151,44 @@ class Agreement:
             self._comm_devices[preferred] = comm
         return comm
 
+    def ballot(
+        self, device: torch.device, *, holds_grads: bool, has_scale: bool, with_norm: bool = False
+    ) -> Ballot:
+        """A fresh ballot on the communication device for ``device``, overflow slot at 0.
+
+        The local check raises the overflow slot itself (:meth:`Ballot.flags`), so the flag of
+        gradients on that device costs no extra kernel. One copy kernel, no host transfer.
+        """
+        comm = self.comm_device(device)
+        template = _ballot_template(comm, holds_grads, has_scale, with_norm)
+        return Ballot(template.clone(), holds_grads)
+
     def agree(
         self,
-        local_flags: list[torch.Tensor],
+        ballot: Ballot,
+        local_flags: Iterable[torch.Tensor],
         *,
-        holds_grads: bool,
         device: torch.device,
         step: int,
         confirm_scale: str | None = None,
         norm_share: torch.Tensor | None = None,
         norm_type: float = 2.0,
     ) -> Verdict:
-        """Combine this rank's flags (and norm share) with every other rank's, in one collective.
+        """Combine this rank's ballot with every other rank's, in one collective.
 
         Args:
-            local_flags: float32 scalar flags from the local check, one per device holding
-                gradients: 1.0 where an element was non-finite.
-            holds_grads: whether this rank holds any gradient element.
+            ballot: from :meth:`ballot`, its overflow slot raised by the local check where the
+                gradients are on its device.
+            local_flags: float32 scalar flags of local checks, on any device (1.0: an element
+                was non-finite): those of other devices than the ballot's, and of checks made
+                before the ballot (``unscale_``); the ballot's own slot may be among them.
             device: the scale's device, where the verdict's tensors are returned.
             step: the step being taken, for error messages.
             confirm_scale: the method being called (``"step"``...) on a rank that never called
                 ``scale()``, until the group confirms that some rank did (its ballot says it has
                 no scale); None otherwise.
             norm_share: this rank's float32 share of a gradient norm (``_clip.local_norms``), to
-                travel in the same collective.
+                travel in the same collective (the ballot was made ``with_norm``).
             norm_type: that norm's p (inf: the shares combine by max).
 
         Raises:
@@ -169,35 +196,36 @@ class Agreement:
                 ``scale()``: every rank raises together, torch's words.
             ShardScaleDistributedError: a rank did not arrive within ``timeout``, or left.
         """
-        comm = self.comm_device(device)
-        summed = norm_share is not None and not math.isinf(norm_type)
-        ballot = _ballot(comm, holds_grads, confirm_scale is None, norm_share is not None)
-        if local_flags:
-            ballot[_OVERFLOWED].copy_(self._local_max(local_flags, comm))
+        votes = ballot.tensor
+        slot = votes[_OVERFLOWED]
+        others = [flag for flag in local_flags if flag.data_ptr() != slot.data_ptr()]
+        if others:
+            slot.copy_(self._local_max([slot, *others], votes.device))
         if norm_share is not None:
-            ballot[_NORM].copy_(move(norm_share, comm))
+            votes[_NORM].copy_(move(norm_share, votes.device))
+        summed = norm_share is not None and not math.isinf(norm_type)
         if self.world_size > 1:
             op = dist.ReduceOp.SUM if summed else dist.ReduceOp.MAX
             what = "the overflow flag" + (" and gradient norm" if norm_share is not None else "")
             self.collective(
                 lambda async_op: dist.all_reduce(
-                    ballot, op=op, group=self._group, async_op=async_op
+                    votes, op=op, group=self._group, async_op=async_op
                 ),
                 step,
                 f"{what} (all_reduce)",
             )
-        if confirm_scale is not None or not holds_grads:  # the one host read, on these ranks only
-            agreed = ballot.tolist()
+        if confirm_scale is not None or not ballot.holds_grads:  # the one host read, these only
+            agreed = votes.tolist()
             if confirm_scale is not None and agreed[_SCALED] == 0.0:
                 raise RuntimeError(no_scale_message(confirm_scale))
             if agreed[_HOLDS] == 0.0:
                 raise RuntimeError(_NO_GRADS.format(world_size=self.world_size))
-        found_inf = ballot[_OVERFLOWED]
+        found_inf = votes[_OVERFLOWED]
         if summed:
             found_inf = found_inf.clamp(max=1.0)  # a count of ranks: exactly 0/1 after this
         if norm_share is None:
             return Verdict(found_inf=move(found_inf, device))
-        total = ballot[_NORM] if not summed else ballot[_NORM].pow(1.0 / norm_type)
+        total = votes[_NORM] if not summed else votes[_NORM].pow(1.0 / norm_type)
         # An overflow must show in the norm on every rank, whatever the sums made of it.
         total = torch.where(
             (found_inf > 0) & total.isfinite(), torch.full_like(total, math.inf), total
@@ -272,10 +300,3 @@ def _ballot_template(
 ) -> torch.Tensor:
     values = [float(holds_grads), 0.0, float(has_scale)] + ([0.0] if with_norm else [])
     return torch.tensor(values, dtype=torch.float32, device=device)
-
-
-def _ballot(
-    device: torch.device, holds_grads: bool, has_scale: bool, with_norm: bool
-) -> torch.Tensor:
-    """A fresh ballot with the host-known slots filled: one copy kernel, no host transfer."""
-    return _ballot_template(device, holds_grads, has_scale, with_norm).clone()

@@ -10,12 +10,16 @@ needs no weights: its reduction is a max.
 Two passes over the gradients, whatever the layout:
 
 1. read: the per-tensor norms of the still-scaled gradients. A non-finite element makes its
-   tensor's norm non-finite, so this pass is also the overflow check (for p in {1, 2, inf};
-   other p take one extra check pass). Scaled fp32 gradients can be large enough that their
-   squares overflow float32: norms that come out non-finite are taken again in float64
-   (free to decide on the CPU; on an accelerator every norm accumulates in float64, which costs
-   nothing there), so a finite gradient is never mistaken for an overflow.
+   tensor's norm non-finite, so this pass is also the overflow check (for p <= 2 and the
+   inf-norm; a larger p takes one extra check pass). Scaled fp32 gradients can be large enough
+   that their squares overflow float32, so a finite gradient must never be taken for an
+   overflow: on the CPU the norms that come out non-finite are taken again in float64 (deciding
+   that is a host read, free there; float64 norms cost 8x there), on an accelerator every norm
+   accumulates in float64 (a memory-bound pass either way).
 2. read+write: multiply by ``inv_scale * clip_coef``, after the agreement.
+
+Both passes take FSDP2's flat gradient buffers whole where the gradients tile them
+(``_grads.GradWalk.norm_groups``): per-tensor norms cost ~8 us each on a CPU.
 
 Nothing is modified before the ranks have agreed.
 """
@@ -23,46 +27,19 @@ Nothing is modified before the ranks have agreed.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from shardscale._check import Flags
 from shardscale._devices import move
-from shardscale._grads import local_grad, replica_count
+from shardscale._grads import GradGroups, NormKey
 
-__all__ = ["NormGroups", "apply_", "check_clip_args", "collect_for_norm", "local_norms"]
+__all__ = ["NormGroups", "apply_", "by_device_dtype", "check_clip_args", "local_norms"]
+
+NormGroups = dict[NormKey, list[torch.Tensor]]
+"""Local gradients (flat buffers where they tile one) by (device, dtype, replica count)."""
 
 _CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
-
-
-@dataclass(slots=True)
-class NormGroups:
-    """Local gradients grouped by (device, dtype, replica count), for one norm and one clip."""
-
-    groups: dict[tuple[torch.device, torch.dtype, int], list[torch.Tensor]]
-    plain: bool
-    """Whether any gradient is a plain tensor (its replica count came from the caller)."""
-
-    def holds_elements(self) -> bool:
-        return any(g.numel() > 0 for grads in self.groups.values() for g in grads)
-
-    def norm_flags_exact(self, norm_type: float) -> bool:
-        """Whether a non-finite norm means a non-finite element, and nothing else.
-
-        True for ``p <= 2`` and the inf-norm over gradients of at most float32 range: their
-        float64 sums cannot overflow. Otherwise the caller checks the elements in an extra pass.
-        """
-        small_p = norm_type <= 2.0 or math.isinf(norm_type)
-        return small_p and all(dtype != torch.float64 for _, dtype, _ in self.groups)
-
-    def by_device_dtype(self) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-        """The same tensors keyed by (device, dtype) only, as the check kernel takes them."""
-        merged: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for (device, dtype, _replicas), grads in self.groups.items():
-            merged.setdefault((device, dtype), []).extend(grads)
-        return merged
 
 
 def check_clip_args(max_norm: float, norm_type: float) -> tuple[float, float]:
@@ -77,46 +54,33 @@ def check_clip_args(max_norm: float, norm_type: float) -> tuple[float, float]:
     return float(max_norm), float(norm_type)
 
 
-def collect_for_norm(params: Iterable[torch.Tensor], plain_replicas: int) -> NormGroups:
-    """This rank's gradients of ``params``, grouped for :func:`local_norms` and :func:`apply_`.
+def norm_flags_exact(groups: NormGroups, norm_type: float) -> bool:
+    """Whether a non-finite norm means a non-finite element, and nothing else.
 
-    Uncoalesced sparse gradients are coalesced in place first (duplicates sum only then).
-
-    Raises:
-        TypeError: a gradient is not floating point.
+    True for ``p <= 2`` and the inf-norm over gradients of at most float32 range: their float64
+    sums cannot overflow. Otherwise the caller checks the elements in an extra pass.
     """
-    groups: dict[tuple[torch.device, torch.dtype, int], list[torch.Tensor]] = {}
-    plain = False
-    for param in params:
-        grad = param.grad
-        if grad is None:
-            continue
-        if grad.is_sparse and not grad.is_coalesced():
-            param.grad = grad = grad.coalesce()
-        local = local_grad(grad)
-        if not local.is_floating_point():
-            raise TypeError(
-                f"gradients must be floating point to be checked for inf/NaN, got {local.dtype}"
-            )
-        replicas = replica_count(param, plain_replicas)
-        plain = plain or not (
-            isinstance(grad, DTensor)
-            or getattr(param, "_is_flat_param", False)
-            or getattr(param, "_fsdp_flattened", False)
-        )
-        groups.setdefault((local.device, local.dtype, replicas), []).append(local)
-    return NormGroups(groups=groups, plain=plain)
+    small_p = norm_type <= 2.0 or math.isinf(norm_type)
+    return small_p and all(dtype != torch.float64 for _, dtype, _ in groups)
+
+
+def by_device_dtype(groups: NormGroups) -> GradGroups:
+    """The same tensors keyed by (device, dtype) only, as the check kernel takes them."""
+    merged: GradGroups = {}
+    for (device, dtype, _replicas), grads in groups.items():
+        merged.setdefault((device, dtype), []).extend(grads)
+    return merged
 
 
 def _norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """Per-tensor p-norms, never overflowing for finite elements (module docstring)."""
-    device = grads[0].device
-    if device.type != "cpu":
+    """Per-tensor p-norms in float64, never overflowing for finite elements (module docstring)."""
+    if grads[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float64))
     norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
-    if math.isinf(norm_type) or bool(norms.isfinite().all()):  # a host read: free on the CPU
+    finite = norms.isfinite()
+    if math.isinf(norm_type) or bool(finite.all()):  # a host read: free on the CPU
         return norms.double()
-    redo = [i for i, finite in enumerate(norms.isfinite().tolist()) if not finite]
+    redo = [i for i, ok in enumerate(finite.tolist()) if not ok]
     again = torch._foreach_norm([grads[i] for i in redo], norm_type, dtype=torch.float64)
     norms = norms.double()
     norms[redo] = torch.stack(again)
@@ -124,9 +88,9 @@ def _norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
 
 
 def local_norms(
-    norm_groups: NormGroups, norm_type: float, inv_scale: torch.Tensor, device: torch.device
-) -> tuple[torch.Tensor, dict[torch.device, torch.Tensor]]:
-    """Pass 1: this rank's share of the unscaled global norm, and its overflow flags.
+    groups: NormGroups, norm_type: float, inv_scale: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, Flags]:
+    """Pass 1 (read only): this rank's share of the unscaled global norm, and overflow flags.
 
     Args:
         inv_scale: float32 scalar the gradients are still to be multiplied by.
@@ -138,8 +102,8 @@ def local_norms(
         holds a float32 scalar per device, 1.0 where a norm was non-finite.
     """
     share = torch.zeros((), dtype=torch.float64, device=device)
-    flags: dict[torch.device, torch.Tensor] = {}
-    for (grad_device, _dtype, replicas), grads in norm_groups.groups.items():
+    flags: Flags = {}
+    for (grad_device, _dtype, replicas), grads in groups.items():
         norms = _norms(grads, norm_type)
         flag = (~norms.isfinite()).any().float()
         flags[grad_device] = (
@@ -154,7 +118,7 @@ def local_norms(
 
 
 def apply_(
-    norm_groups: NormGroups,
+    groups: NormGroups,
     max_norm: float,
     total_norm: torch.Tensor,
     inv_scale: torch.Tensor | None,
@@ -170,7 +134,7 @@ def apply_(
     if inv_scale is not None:
         factor = factor * move(inv_scale, factor.device)
     factors: dict[torch.device, torch.Tensor] = {}
-    for (device, _dtype, _replicas), grads in norm_groups.groups.items():
+    for (device, _dtype, _replicas), grads in groups.items():
         if device not in factors:
             factors[device] = move(factor, device)
         torch._foreach_mul_(grads, factors[device])

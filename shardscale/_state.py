@@ -117,13 +117,13 @@ class DeviceState:
         """Count one step, skipped if ``found_inf`` (exactly 0.0 or 1.0), without a host sync.
 
         Counted on the device, not the host, so the counts stay right when step+update is
-        replayed from a CUDA graph. In four tiny kernels: with s = found_inf,
-        ``counters = counters * [1, 1, s, 1 - s] + [1, s, s, 1 - s]``.
+        replayed from a CUDA graph. In two kernels: with s = found_inf,
+        ``rows = base + s * slope`` gives ``[[1, 1, s, 1 - s], [1, s, s, 1 - s]]``, then
+        ``counters = counters * rows[0] + rows[1]``.
         """
-        keep, on_skip_keep, base, on_skip_add = _count_constants(self.counters.device)
-        multiplier = torch.addcmul(keep, found_inf, on_skip_keep)  # [1, 1, s, 1 - s]
-        increment = torch.addcmul(base, found_inf, on_skip_add)  # [1, s, s, 1 - s]
-        self.counters.mul_(multiplier).add_(increment)
+        base, slope = _count_constants(self.counters.device)
+        rows = torch.addcmul(base, found_inf, slope)
+        torch.addcmul(rows[1], self.counters, rows[0], out=self.counters)
 
     def packed(self) -> torch.Tensor:
         """``[scale, growth_tracker, hysteresis_tracker, *counters]`` as one float64 tensor.
@@ -161,10 +161,11 @@ def unpack(values: list[float]) -> tuple[ScaleState, Counters]:
 
 
 @functools.cache
-def _count_constants(device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The constant vectors of ``DeviceState.count_step_``, made once per device."""
-    rows = ([1, 1, 0, 1], [0, 0, 1, -1], [1, 0, 0, 1], [0, 1, 1, -1])
-    return tuple(torch.tensor(row, dtype=torch.float64, device=device) for row in rows)
+def _count_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The constant rows of ``DeviceState.count_step_``, made once per device."""
+    base = torch.tensor([[1, 1, 0, 1], [1, 0, 0, 1]], dtype=torch.float64, device=device)
+    slope = torch.tensor([[0, 0, 1, -1], [0, 1, 1, -1]], dtype=torch.float64, device=device)
+    return base, slope
 
 
 def to_state_dict(state: ScalerState) -> dict[str, Any]:

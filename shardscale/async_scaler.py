@@ -114,6 +114,8 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         ValueError: ``verify_every`` was given, or ``step_timeout`` is not a time > 0.
     """
 
+    _defers_agreement = False
+
     def __init__(
         self,
         device: str | torch.device | None = None,
