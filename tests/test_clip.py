@@ -192,25 +192,59 @@ def test_clip_overflow_on_one_rank_is_nonfinite_and_skipped_everywhere(
     assert results == [expected, expected]
 
 
-def _rank_unscale_then_clip(rank: int, world_size: int) -> dict[str, Any]:
+def _rank_unscale_then_clip(rank: int, world_size: int, planted: bool) -> dict[str, Any]:
     setup = build("fsdp2", "for-loop", world_size)
     scaler = ShardedGradScaler(init_scale=SCALE)
     scaler.scale(setup.loss(0, rank)).backward()
+    if planted and rank == 1:
+        plant(setup.optimizer, math.inf)
     expected = torch.linalg.vector_norm(
         torch.stack([torch.linalg.vector_norm(g / SCALE) for g in _full_grads(setup.model)])
     ).item()
     with count_collectives() as counts:
-        scaler.unscale_(setup.optimizer)
+        scaler.unscale_(setup.optimizer)  # local: its check rides in the clip's collective
         norm = scaler.clip_grad_norm_(setup.model.parameters(), 1e-3)  # must not unscale again
         scaler.step(setup.optimizer)
         scaler.update()
-    return {"norm": norm.item(), "expected": expected, "collectives": sum(counts.values())}
+    return {
+        "norm": norm.item(),
+        "expected": expected,
+        "collectives": sum(counts.values()),
+        "skipped": scaler.last_step_skipped,
+        "scale": scaler.get_scale(),
+    }
 
 
-def test_clip_after_unscale_exchanges_only_the_norm() -> None:
-    for result in run_ranks(_rank_unscale_then_clip, 2):
+def test_clip_after_unscale_costs_one_collective_in_torchs_order() -> None:
+    for result in run_ranks(_rank_unscale_then_clip, 2, False):
         assert result["norm"] == pytest.approx(result["expected"], rel=1e-5)
-        assert result["collectives"] == 2  # the torch order: unscale_'s flag, then the norm
+        assert result["collectives"] == 1
+        assert not result["skipped"]
+
+
+def test_clip_after_unscale_overflow_on_one_rank_skips_everywhere() -> None:
+    for result in run_ranks(_rank_unscale_then_clip, 2, True):
+        assert not math.isfinite(result["norm"])
+        assert result["skipped"]
+        assert result["scale"] == SCALE / 2
+        assert result["collectives"] == 1
+
+
+def _rank_unscale_then_update(rank: int, world_size: int) -> dict[str, Any]:
+    """unscale_() without step(): update() agrees on unscale_'s check and backs off."""
+    setup = build("ddp", "foreach", world_size)
+    scaler = ShardedGradScaler(init_scale=SCALE)
+    scaler.scale(setup.loss(0, rank)).backward()
+    if rank == 0:
+        plant(setup.optimizer, math.nan)
+    with count_collectives() as counts:
+        scaler.unscale_(setup.optimizer)
+        scaler.update()
+    return {"scale": scaler.get_scale(), "collectives": sum(counts.values())}
+
+
+def test_unscale_without_step_is_agreed_at_update() -> None:
+    assert run_ranks(_rank_unscale_then_update, 2) == [{"scale": SCALE / 2, "collectives": 1}] * 2
 
 
 def _clip_setup() -> tuple[ShardedGradScaler, nn.Module, torch.optim.Optimizer]:
