@@ -1,20 +1,29 @@
-"""Benchmark: the scaler's cost per step beside torch's two scalers and the floor.
+"""Benchmark: the scaler's cost per step beside torch's two scalers and the floors.
 
 Run on 2 ranks (gloo on CPU, NCCL on GPUs; picked automatically):
 
     torchrun --standalone --nproc-per-node 2 launch/bench.py
 
 Two FSDP2 workloads: (a) 20 M parameters in 8 tensors, (b) 2 M parameters in 400 tensors. The
-optimizer is a no-op, so only the scaler is timed: ``step()`` + ``update()`` after one real
-backward whose sharded gradients are reused (the scale is held at 1.0 so unscaling leaves them
-unchanged). Two optimizer kinds: a plain one (the scaler unscales in place) and a fused-style
-one (``_step_supports_amp_scaling``: the scaler checks and hands over ``grad_scale``/``found_inf``).
+optimizer is a no-op, so only the scaler is timed: ``step()`` + ``update()`` (and, in the clip
+rows, ``clip_grad_norm_`` first) on the sharded gradients of one real backward (the scale is
+held at 1.0 and the clip norm is never reached, so the gradients stay as they are). Two optimizer
+kinds: a plain one (the scaler unscales in place) and a fused-style one
+(``_step_supports_amp_scaling``: the scaler checks and hands over ``grad_scale``/``found_inf``).
 
-The floor, measured in the same run: one ``_foreach_mul_`` pass over the local gradients plus one
-scalar all-reduce, the least any scaler that agrees across ranks must do. Reported per scaler: the
-median time of step+update (the slowest rank's), its ratio to the floor, and the collectives
-issued per step (counted by the profiler). Candidates are timed in interleaved rounds, so drift
-on a shared machine falls on all of them alike.
+Two gradient modes: ``kept`` (the same gradient tensors every step, as after
+``zero_grad(set_to_none=False)``) and ``fresh`` (new gradient tensors every step, views of the
+same reduce-scatter buffer, as FSDP2 makes after ``zero_grad(set_to_none=True)``; made outside the
+timed region).
+
+The floors, measured in the same run: the least any scaler that agrees across ranks must do.
+step: one read+write pass over the local gradients plus one scalar all-reduce; clip: one read
+pass (the norm), one read+write pass and one scalar all-reduce. Each is timed per tensor
+(``_foreach_*``) and, where the gradients tile FSDP2's flat buffer, over the buffer; the lower
+of the two is the floor. Reported per candidate: the median time (the slowest rank's), its ratio
+to its floor, the collectives issued per step (counted by the profiler) and, on CUDA, the kernels
+launched per step. Candidates are timed in interleaved rounds, so drift on a shared machine falls
+on all of them alike.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchShardedGradScaler
 from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile
 
 from shardscale import ShardedGradScaler, count_collectives
 
@@ -42,6 +52,8 @@ WORKLOADS = {
     "a: 20M params / 8 tensors": (8, 2_500_000),
     "b: 2M params / 400 tensors": (400, 5_000),
 }
+MODES = ("kept", "fresh")
+Run = Callable[[], None]
 
 
 class NoOpOptimizer(torch.optim.Optimizer):
@@ -70,15 +82,23 @@ class Tensors(nn.Module):
 
 
 def _local_grads(model: nn.Module) -> list[torch.Tensor]:
-    grads = []
+    return [p.grad._local_tensor for p in model.parameters()]  # type: ignore[union-attr]
+
+
+def _renew_grads(model: nn.Module) -> None:
+    """New gradient tensors, views of the same buffer: what FSDP2 hands over each step."""
     for param in model.parameters():
-        assert param.grad is not None
         grad = param.grad
-        grads.append(grad.to_local() if isinstance(grad, DTensor) else grad)
-    return grads
+        assert isinstance(grad, DTensor)
+        local = grad._local_tensor
+        param.grad = DTensor.from_local(
+            local.view(local.shape), grad.device_mesh, grad.placements, run_check=False
+        )
 
 
-def _time_once(run: Callable[[], None], device: torch.device) -> float:
+def _time_once(prepare: Run | None, run: Run, device: torch.device) -> float:
+    if prepare is not None:
+        prepare()
     dist.barrier()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -96,6 +116,16 @@ def _slowest_median_ms(samples: list[float]) -> float:
     return float(median.item())
 
 
+def _kernels(run: Run, device: torch.device) -> int | None:
+    """CUDA kernels one call launches (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize(device)
+    return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def _scalers(device: torch.device) -> dict[str, Callable[[], Any]]:
     kwargs: dict[str, Any] = {"init_scale": 1.0, "growth_interval": 10**9}
     return {
@@ -105,24 +135,51 @@ def _scalers(device: torch.device) -> dict[str, Callable[[], Any]]:
     }
 
 
+def _floors(model: nn.Module, device: torch.device) -> dict[tuple[str, str], Run]:
+    """The step and clip floors, per tensor and over the flat buffer (where one is tiled)."""
+    flag = torch.zeros((), device=device)
+    one = torch.ones((), device=device)
+
+    def grads() -> list[torch.Tensor]:
+        return _local_grads(model)
+
+    def buffers() -> list[torch.Tensor]:
+        return list({id(g._base): g._base.view(-1) for g in grads()}.values())  # type: ignore[union-attr]
+
+    floors: dict[tuple[str, str], Run] = {}
+    for name, tensors in (("per tensor", grads), ("flat buffer", buffers)):
+
+        def step(tensors: Callable[[], list[torch.Tensor]] = tensors) -> None:
+            torch._foreach_mul_(tensors(), one)
+            dist.all_reduce(flag)
+
+        def clip(tensors: Callable[[], list[torch.Tensor]] = tensors) -> None:
+            chosen = tensors()
+            norm = torch.stack(torch._foreach_norm(chosen)).square().sum()
+            torch._foreach_mul_(chosen, one)
+            dist.all_reduce(norm)
+
+        floors[(f"floor: one pass + all-reduce ({name})", "step")] = step
+        floors[(f"floor: read pass + one pass + all-reduce ({name})", "clip")] = clip
+    return floors
+
+
 def bench_workload(
-    count: int, numel: int, device: torch.device, rounds: int, per_round: int, warmup: int
+    count: int,
+    numel: int,
+    mode: str,
+    device: torch.device,
+    rounds: int,
+    per_round: int,
+    warmup: int,
 ) -> list[dict[str, Any]]:
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     model = Tensors(count, numel, device)
     fully_shard(model, mesh=mesh)
     model().backward()
-    grads = _local_grads(model)
-    one = torch.ones((), device=device)
-    flag = torch.zeros((), device=device)
+    prepare = (lambda: _renew_grads(model)) if mode == "fresh" else None
 
-    def floor() -> None:
-        torch._foreach_mul_(grads, one)
-        dist.all_reduce(flag)
-
-    candidates: dict[tuple[str, str], Callable[[], None]] = {
-        ("floor (one _foreach pass + scalar all-reduce)", "-"): floor
-    }
+    candidates: dict[tuple[str, str], Run] = dict(_floors(model, device))
     for takes_scale in (False, True):
         optimizer = NoOpOptimizer(model.parameters(), takes_scale=takes_scale)
         for name, make in _scalers(device).items():
@@ -134,8 +191,8 @@ def bench_workload(
                 scaler.update()
 
             candidates[(name, "fused-style" if takes_scale else "plain")] = step_update
-    # With gradient clipping (to a norm never reached, so the gradients stay as they are):
-    # ours in the flag's collective; torch's scalers unscale_, then torch's clip_grad_norm_.
+    # Clipping, to a norm never reached: ours in the flag's collective; torch's scalers
+    # unscale_, then torch's clip_grad_norm_ over the DTensor parameters.
     optimizer = NoOpOptimizer(model.parameters(), takes_scale=False)
     for name, make in _scalers(device).items():
         scaler = make()
@@ -152,30 +209,43 @@ def bench_workload(
 
         candidates[(name, "plain + clip")] = clip_step_update
 
-    collectives = {}
+    collectives, kernels = {}, {}
     for key, run in candidates.items():
         for _ in range(warmup):
-            run()
+            _time_once(prepare, run, device)
+        if prepare is not None:
+            prepare()
         with count_collectives() as counts:
             run()
         collectives[key] = sum(counts.values())
+        if prepare is not None:
+            prepare()
+        kernels[key] = _kernels(run, device)
     # Interleaved rounds: drift on a shared machine falls on every candidate alike.
     samples: dict[tuple[str, str], list[float]] = {key: [] for key in candidates}
     for _ in range(rounds):
         for key, run in candidates.items():
-            samples[key].extend(_time_once(run, device) for _ in range(per_round))
+            samples[key].extend(_time_once(prepare, run, device) for _ in range(per_round))
     medians = {key: _slowest_median_ms(times) for key, times in samples.items()}
-    floor_ms = medians[next(iter(candidates))]
-    return [
-        {
-            "scaler": name,
-            "optimizer": optimizer_kind,
-            "median_ms": ms,
-            "x_floor": ms / floor_ms,
-            "collectives": collectives[(name, optimizer_kind)],
-        }
-        for (name, optimizer_kind), ms in medians.items()
-    ]
+    floor_ms = {
+        kind: min(ms for (name, k), ms in medians.items() if k == kind and name.startswith("floor"))
+        for kind in ("step", "clip")
+    }
+    rows = []
+    for (name, kind), ms in medians.items():
+        of = "clip" if kind in ("clip", "plain + clip") else "step"
+        rows.append(
+            {
+                "scaler": name,
+                "optimizer": kind if not name.startswith("floor") else "-",
+                "median_ms": ms,
+                "x_floor": ms / floor_ms[of],
+                "floor": of,
+                "collectives": collectives[(name, kind)],
+                "cuda_kernels": kernels[(name, kind)],
+            }
+        )
+    return rows
 
 
 def main() -> None:
@@ -185,6 +255,7 @@ def main() -> None:
         "--per-round", type=int, default=5, help="timed steps per candidate per round"
     )
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before measuring")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--json", help="also write the results to this JSON file (rank 0)")
     args = parser.parse_args()
 
@@ -208,9 +279,10 @@ def main() -> None:
         "workloads": {},
     }
     for label, (count, numel) in WORKLOADS.items():
-        results["workloads"][label] = bench_workload(
-            count, numel, device, args.rounds, args.per_round, args.warmup
-        )
+        for mode in args.modes:
+            results["workloads"][f"{label}, gradients {mode}"] = bench_workload(
+                count, numel, mode, device, args.rounds, args.per_round, args.warmup
+            )
     if dist.get_rank() == 0:
         print(
             f"world_size={results['world_size']} backend={results['backend']} "
@@ -219,12 +291,16 @@ def main() -> None:
         )
         for label, rows in results["workloads"].items():
             print(f"\n### {label}\n")
-            print("| scaler | optimizer | median ms per step | x floor | collectives/step |")
-            print("|---|---|---:|---:|---:|")
+            print(
+                "| scaler | optimizer | median ms | x floor | collectives/step"
+                + (" | CUDA kernels/step |" if device.type == "cuda" else " |")
+            )
+            print("|---|---|---:|---:|---:|" + ("---:|" if device.type == "cuda" else ""))
             for row in rows:
                 print(
                     f"| {row['scaler']} | {row['optimizer']} | {row['median_ms']:.3f} | "
-                    f"{row['x_floor']:.2f} | {row['collectives']} |"
+                    f"{row['x_floor']:.2f} ({row['floor']}) | {row['collectives']} |"
+                    + (f" {row['cuda_kernels']} |" if device.type == "cuda" else "")
                 )
         if args.json:
             with open(args.json, "w") as file:

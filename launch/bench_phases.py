@@ -2,9 +2,9 @@
 
     torchrun --standalone --nproc-per-node 2 launch/bench_phases.py
 
-On the 400-tensor FSDP2 workload of ``bench.py``: the gradient walk, the check kernel, the
-agreement (its all-reduce beside a bare one), the counters and policy, and the whole
-step+update. Each phase is timed on its own after a barrier; medians in ms, per rank.
+On the 400-tensor FSDP2 workload of ``bench.py``, gradients kept and fresh: the gradient walk,
+the check kernel, the agreement (its all-reduce beside a bare one), the counters and policy, and
+the whole step+update. Each phase is timed on its own after a barrier; medians in ms, per rank.
 """
 
 from __future__ import annotations
@@ -15,24 +15,27 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from bench import NoOpOptimizer, Tensors
+from bench import NoOpOptimizer, Tensors, _renew_grads
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from shardscale import ShardedGradScaler
 from shardscale._check import check_and_unscale_
-from shardscale._grads import collect_local_grads, optimizer_params
+from shardscale._grads import GradCache
 
 
-def _median_ms(run: Callable[[], object], iterations: int = 40) -> float:
-    for _ in range(3):
-        run()
+def _median_ms(
+    run: Callable[[], object], prepare: Callable[[], None] | None, iterations: int = 40
+) -> float:
     times = []
-    for _ in range(iterations):
+    for i in range(iterations + 3):
+        if prepare is not None:
+            prepare()
         dist.barrier()
         start = time.perf_counter()
         run()
-        times.append(time.perf_counter() - start)
+        if i >= 3:
+            times.append(time.perf_counter() - start)
     return round(statistics.median(times) * 1e3, 3)
 
 
@@ -44,37 +47,39 @@ def main() -> None:
     fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
     model().backward()
     optimizer = NoOpOptimizer(model.parameters(), takes_scale=False)
-    scaler = ShardedGradScaler(init_scale=1.0)
+    scaler = ShardedGradScaler(init_scale=1.0, growth_interval=10**9)
     scaler.scale(torch.ones(()))
     state = scaler._device_state
     assert state is not None
-    groups = collect_local_grads(optimizer_params(optimizer))
+    params = list(model.parameters())
     one, zero = torch.ones(()), torch.zeros(())
-    flags = check_and_unscale_(groups, one)
-
-    def walk() -> None:
-        with torch.no_grad():
-            collect_local_grads(optimizer_params(optimizer))
+    cache = GradCache()
 
     def step_update() -> None:
         scaler.step(optimizer)
         scaler.update()
 
-    phases = {
-        "walk": walk,
-        "check kernel": lambda: check_and_unscale_(groups, one),
-        "agreement": lambda: scaler._agreement.agree([f.clone() for f in flags], True, cpu),
-        "bare all-reduce": lambda: dist.all_reduce(zero.clone()),
-        "counters + policy": lambda: (
-            state.count_step_(zero),
-            scaler.policy.update_(
-                state.scale, state.growth_tracker, state.hysteresis_tracker, zero
+    def agreement() -> None:
+        ballot = scaler._agreement.ballot(cpu, holds_grads=True, has_scale=True)
+        scaler._agreement.agree(ballot, {}, device=cpu, step=1)
+
+    for mode, prepare in (("kept", None), ("fresh", lambda: _renew_grads(model))):
+        phases = {
+            "walk (cached)": lambda: cache.walk("k", params),
+            "check kernel": lambda: check_and_unscale_(cache.walk("k", params).groups, one),
+            "agreement": agreement,
+            "bare all-reduce": lambda: dist.all_reduce(zero.clone()),
+            "counters + policy": lambda: (
+                state.count_step_(zero),
+                scaler.policy.update_(
+                    state.scale, state.growth_tracker, state.hysteresis_tracker, zero
+                ),
             ),
-        ),
-        "step + update": step_update,
-    }
-    timings = {name: _median_ms(run) for name, run in phases.items()}
-    print(f"rank {dist.get_rank()}: {timings}", flush=True)
+            "step + update": step_update,
+        }
+        timings = {name: _median_ms(run, prepare) for name, run in phases.items()}
+        print(f"rank {dist.get_rank()} gradients {mode}: {timings}", flush=True)
+    dist.barrier()
     dist.destroy_process_group()
 
 
