@@ -1,0 +1,201 @@
+"""verl: shardscale as the loss scaler of verl's FSDP engine, saved with its checkpoints.
+
+verl (0.9) builds torch's ``ShardedGradScaler(growth_interval=400)`` in
+``FSDPEngine._build_fsdp_module`` when the engine's ``mixed_precision.param_dtype`` is fp16, and
+uses it in ``forward_backward_batch`` (``scale(loss).backward()``) and ``optimizer_step``
+(``unscale_``, verl's own clipping, ``step``, ``update``). Under FSDP2 with a fused AdamW that
+sequence crashes inside torch's scaler after the fused kernel has already written NaN into a
+parameter (its summed ``found_inf`` is 2.0; fused kernels skip only on 1.0); otherwise it costs
+two collectives. Its device defaults to ``"cuda"``, so on a CPU it disables itself and takes
+overflow steps. verl saves no scaler state in its checkpoints and offers no hook for one.
+
+Two ways in, both keeping verl's sequence and its clipping:
+
+* :func:`install`: from then on every ``FSDPEngine`` this process builds uses shardscale's scaler
+  (with verl's growth interval) and saves its state with the engine's checkpoints. verl imports
+  the modules named in ``VERL_USE_EXTERNAL_MODULES`` in every process, Ray workers included, so
+  ``VERL_USE_EXTERNAL_MODULES=shardscale.integrations.verl_plugin`` installs it everywhere.
+* :func:`use_shardscale`: for one engine, after ``engine.initialize()``.
+
+The scaler's state is identical on every rank: rank 0 writes it as ``shardscale_scaler.pt`` in
+the checkpoint folder after verl's own files, and every rank reads it back.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardscale._errors import ShardScaleWarning
+from shardscale.scaler import ShardedGradScaler
+
+__all__ = ["SCALER_FILE", "install", "use_shardscale"]
+
+SCALER_FILE = "shardscale_scaler.pt"
+"""The scaler's state in a verl checkpoint folder."""
+
+_VERL_GROWTH_INTERVAL = 400  # what verl gives its own scaler
+_PATCHED = "_shardscale_patched"
+
+
+def use_shardscale(
+    engine: Any,
+    scaler: ShardedGradScaler | None = None,
+    *,
+    fold_clip: bool = False,
+    **scaler_kwargs: Any,
+) -> ShardedGradScaler:
+    """Give an initialised verl FSDP engine shardscale's scaler, and checkpoint it.
+
+    Args:
+        engine: a verl ``FSDPEngine`` (``FSDPEngineWithLMHead``...), after ``initialize()``,
+            configured for fp16 (``mixed_precision={"param_dtype": "fp16"}``).
+        scaler: the scaler to use; None builds one from ``scaler_kwargs`` (default
+            ``growth_interval``: verl's 400).
+        fold_clip: replace verl's ``optimizer_step`` by one that clips with
+            ``scaler.clip_grad_norm_`` (the same ``clip_grad``, a global norm over shards):
+            its norm travels in the scaler's one collective, where verl's own FSDP2 clipping
+            costs two more. False (the default) keeps verl's clipping.
+        **scaler_kwargs: :class:`~shardscale.ShardedGradScaler` options.
+
+    Returns:
+        The engine's scaler now.
+
+    Raises:
+        ValueError: the engine has no scaler (verl builds one only for fp16), or both a scaler
+            and keyword arguments were given.
+        RuntimeError: the engine was not initialised yet.
+    """
+    if not hasattr(engine, "scaler") or not hasattr(engine, "optimizer"):
+        raise RuntimeError(
+            "use_shardscale needs an initialised verl FSDP engine: call engine.initialize() "
+            f"first (got {type(engine).__name__} without scaler/optimizer)"
+        )
+    if engine.scaler is None:
+        raise ValueError(
+            "this verl engine has no loss scaler: verl builds one only for fp16, set "
+            "engine_config.mixed_precision={'param_dtype': 'fp16'}"
+        )
+    if scaler is not None and scaler_kwargs:
+        raise ValueError(
+            "pass a scaler or the keyword arguments to build one, not both; got scaler and "
+            f"{sorted(scaler_kwargs)}"
+        )
+    if scaler is None:
+        scaler = ShardedGradScaler(**{"growth_interval": _VERL_GROWTH_INTERVAL, **scaler_kwargs})
+    engine.scaler = scaler
+    engine.save_checkpoint = _saving(engine.save_checkpoint, lambda: engine.scaler)
+    engine.load_checkpoint = _loading(engine.load_checkpoint, lambda: engine.scaler)
+    if fold_clip:
+        engine.optimizer_step = functools.partial(_optimizer_step_folding_clip, engine)
+    return scaler
+
+
+def _optimizer_step_folding_clip(engine: Any) -> float:
+    """verl's ``optimizer_step`` (clip, skip on overflow, step, return the norm), with the clip
+    norm in the scaler's collective."""
+    clip_grad = engine.optimizer_config.clip_grad
+    if clip_grad is None:
+        raise ValueError("verl's optimizer_step needs optimizer_config.clip_grad, got None")
+    grad_norm = engine.scaler.clip_grad_norm_(engine.module.parameters(), clip_grad)
+    engine.scaler.step(engine.optimizer)
+    engine.scaler.update()
+    if getattr(engine, "_qat_enabled", False):  # as verl does after its step
+        from verl.utils.qat.core import invalidate_all_scales
+
+        invalidate_all_scales(engine.module)
+    return float(grad_norm.item())
+
+
+def install() -> None:
+    """Make every verl ``FSDPEngine`` built from now on in this process use shardscale.
+
+    Patches ``FSDPEngine._build_fsdp_module`` (an fp16 engine gets
+    ``ShardedGradScaler(growth_interval=400)`` where verl would build torch's) and its
+    ``save_checkpoint``/``load_checkpoint`` (the scaler's state goes with the checkpoint).
+    Idempotent.
+    """
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    if getattr(FSDPEngine, _PATCHED, False):
+        return
+    build = FSDPEngine._build_fsdp_module
+
+    @functools.wraps(build)
+    def build_with_shardscale(self: Any, *args: Any, **kwargs: Any) -> Any:
+        module = build(self, *args, **kwargs)
+        if getattr(self, "scaler", None) is not None and not isinstance(
+            self.scaler, ShardedGradScaler
+        ):
+            self.scaler = ShardedGradScaler(growth_interval=_VERL_GROWTH_INTERVAL)
+        return module
+
+    save, load = FSDPEngine.save_checkpoint, FSDPEngine.load_checkpoint
+
+    @functools.wraps(save)
+    def save_with_scaler(self: Any, local_path: str, *args: Any, **kwargs: Any) -> None:
+        _saving(functools.partial(save, self), lambda: self.scaler)(local_path, *args, **kwargs)
+
+    @functools.wraps(load)
+    def load_with_scaler(self: Any, local_path: str, *args: Any, **kwargs: Any) -> None:
+        _loading(functools.partial(load, self), lambda: self.scaler)(local_path, *args, **kwargs)
+
+    FSDPEngine._build_fsdp_module = build_with_shardscale
+    FSDPEngine.save_checkpoint = save_with_scaler
+    FSDPEngine.load_checkpoint = load_with_scaler
+    setattr(FSDPEngine, _PATCHED, True)
+
+
+def _saving(
+    save: Callable[..., None], scaler: Callable[[], ShardedGradScaler | None]
+) -> Callable[..., None]:
+    """``save``, then the scaler's state beside verl's files (rank 0; identical everywhere)."""
+
+    @functools.wraps(save)
+    def save_checkpoint(local_path: str | None, *args: Any, **kwargs: Any) -> None:
+        save(local_path, *args, **kwargs)
+        current = scaler()
+        if local_path is None or not isinstance(current, ShardedGradScaler):
+            return
+        state = current.state_dict()  # on every rank: reading the state may synchronise
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            os.makedirs(local_path, exist_ok=True)
+            torch.save(state, os.path.join(local_path, SCALER_FILE))
+        if dist.is_initialized():
+            dist.barrier()  # no rank loads the folder before the file is there
+
+    return save_checkpoint
+
+
+def _loading(
+    load: Callable[..., None], scaler: Callable[[], ShardedGradScaler | None]
+) -> Callable[..., None]:
+    """``load``, and the scaler's state from the same folder (read first: verl may delete
+    local copies of remote checkpoints after loading them)."""
+
+    @functools.wraps(load)
+    def load_checkpoint(local_path: str | None, *args: Any, **kwargs: Any) -> None:
+        path = None if local_path is None else os.path.join(local_path, SCALER_FILE)
+        state = torch.load(path, weights_only=True) if path and os.path.exists(path) else None
+        load(local_path, *args, **kwargs)
+        current = scaler()
+        if not isinstance(current, ShardedGradScaler) or local_path is None:
+            return
+        if state is None:
+            warnings.warn(
+                f"no {SCALER_FILE} in the checkpoint {local_path} (saved without shardscale?): "
+                f"the loss scale stays {current.get_scale():g}",
+                ShardScaleWarning,
+                stacklevel=2,
+            )
+            return
+        current.load_state_dict(state)
+        current.verify_agreement()  # every rank read the same file, or we stop here
+
+    return load_checkpoint
