@@ -1,0 +1,131 @@
+"""Lightning Fabric and the Trainer with shardscale's precision plugins, the real package, on 2
+gloo ranks, FSDP2 (``ModelParallelStrategy``) and DDP."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_train import ROOT, torchrun
+
+pytestmark = [pytest.mark.integration, pytest.mark.torchrun, pytest.mark.xdist_group("torchrun")]
+
+DEMOS = ROOT / "launch" / "demos"
+
+
+def _records(stdout: str) -> list[dict[str, Any]]:
+    records = []
+    for line in stdout.splitlines():
+        for chunk in line.replace("}{", "}\n{").splitlines():
+            if chunk.startswith('{"rank"'):
+                records.append(json.loads(chunk))
+    return records
+
+
+def _per_rank(records: list[dict[str, Any]], key: str) -> dict[int, list[Any]]:
+    rows: dict[int, list[Any]] = {0: [], 1: []}
+    for record in sorted((r for r in records if "step" in r), key=lambda r: r["step"]):
+        rows[record["rank"]].append(record[key])
+    return rows
+
+
+def _check_skip_at_step_3(records: list[dict[str, Any]]) -> None:
+    skipped = _per_rank(records, "skipped")
+    assert skipped[0] == skipped[1] == [False, False, True, False, False]
+    scales = _per_rank(records, "scale")
+    assert scales[0] == scales[1] == [1024.0, 1024.0, 512.0, 512.0, 512.0]
+    assert {r["compute_dtype"] for r in records if "step" in r} == {"torch.float16"}  # on a CPU
+    assert {r["collectives"] for r in records if "step" in r} == {1}
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_lightning_fabric_fp16_skips_on_every_rank_and_checkpoints(
+    strategy: str, tmp_path: Path
+) -> None:
+    result = torchrun(
+        2,
+        "--strategy",
+        strategy,
+        "--inject-inf-at",
+        "3",
+        "--checkpoint",
+        str(tmp_path / "checkpoint"),
+        script=str(DEMOS / "lightning_fabric.py"),
+    )
+    records = _records(result.stdout)
+    _check_skip_at_step_3(records)
+    finite = _per_rank(records, "finite_norm")
+    assert finite[0] == finite[1] == [True, True, False, True, True]
+    assert [r["resumed_equal"] for r in records if "resumed_equal" in r] == [True, True]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_lightning_trainer_fp16_skips_holds_the_lr_and_resumes(
+    strategy: str, tmp_path: Path
+) -> None:
+    script = str(DEMOS / "lightning_trainer.py")
+    checkpoint = str(tmp_path / "checkpoint")
+    first = _records(
+        torchrun(
+            2, "--strategy", strategy, "--inject-inf-at", "3", "--save", checkpoint, script=script
+        ).stdout
+    )
+    _check_skip_at_step_3(first)
+    lrs = _per_rank(first, "lr")[0]
+    assert lrs[2] == lrs[1]  # held on the skipped step
+    assert lrs[3] < lrs[2]
+    # on_before_optimizer_step saw unscaled gradients (scaled, they would be ~1024x)
+    assert max(r["grad_absmax_in_hook"] for r in first if "step" in r) < 1.0
+    resumed = _records(
+        torchrun(
+            2, "--strategy", strategy, "--steps", "7", "--resume", checkpoint, script=script
+        ).stdout
+    )
+    assert _per_rank(resumed, "step")[0] == [6, 7]
+    final = {r["rank"]: r["final"] for r in resumed if "final" in r}
+    assert final[0] == final[1]
+    assert (final[0]["steps"], final[0]["skipped_steps"], final[0]["last_overflow_step"]) == (
+        7,
+        1,
+        3,
+    )
+    assert final[0]["scale"] == 512.0
+
+
+def test_lightning_refuses_fp16_with_model_parallel_without_the_plugin() -> None:
+    """What the plugins unlock: Fabric and the Trainer refuse the string precision there."""
+    import lightning as L
+    from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    refused = r"does not support `Fabric\(\.\.\., precision='16-mixed'\)`"
+    with pytest.raises(ValueError, match=refused):
+        L.Fabric(
+            accelerator="cpu",
+            devices=1,
+            strategy=FabricModelParallel(lambda model, mesh: model),
+            precision="16-mixed",
+        )
+    with pytest.raises(ValueError, match=refused):
+        L.Trainer(
+            accelerator="cpu", devices=1, strategy=ModelParallelStrategy(), precision="16-mixed"
+        )
+
+
+def test_lightning_plugins_are_lightning_precision_classes() -> None:
+    from lightning.fabric.plugins import Precision as FabricPrecisionBase
+    from lightning.pytorch.plugins import Precision as TrainerPrecisionBase
+
+    from shardscale import ShardedGradScaler
+    from shardscale.integrations.lightning import FabricPrecision, TrainerPrecision
+
+    assert isinstance(FabricPrecision("cpu"), FabricPrecisionBase)
+    assert isinstance(TrainerPrecision("cpu"), TrainerPrecisionBase)
+    assert TrainerPrecision("cpu", init_scale=8.0).scaler.get_scale() == 8.0
+    with pytest.raises(ValueError, match=r"a scaler or the keyword arguments .* \['init_scale'\]"):
+        TrainerPrecision("cpu", scaler=ShardedGradScaler(), init_scale=8.0)
+    with pytest.raises(TypeError, match=r"must be a shardscale.ShardedGradScaler, got GradScaler"):
+        FabricPrecision("cpu", scaler=__import__("torch").amp.GradScaler("cpu"))
