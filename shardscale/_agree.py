@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import pickle
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -260,7 +261,57 @@ class Agreement:
                 f"step {step}: the scaler states of the {len(gathered)} ranks differ: {details}"
             )
 
-    def collective(self, start: Callable[[bool], dist.Work | None], step: int, what: str) -> None:
+    def gather_objects(self, obj: object, step: int | None, what: str) -> list[object]:
+        """Every rank's ``obj`` (picklable), in rank order: ``all_gather_object``, bounded.
+
+        Two collectives (the sizes, then the padded bytes), each waited on at most ``timeout``,
+        on the group's communication device.
+        """
+        if self.world_size == 1:
+            return [obj]
+        comm = self.comm_device(torch.device("cpu"))
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(comm)
+        size = torch.full((1,), data.numel(), dtype=torch.int64, device=comm)
+        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
+        self.collective(
+            lambda async_op: dist.all_gather(sizes, size, group=self._group, async_op=async_op),
+            step,
+            f"the sizes of {what} (all_gather)",
+        )
+        lengths = [int(n.item()) for n in sizes]
+        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=comm)
+        padded[: data.numel()] = data
+        gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
+        self.collective(
+            lambda async_op: dist.all_gather(
+                gathered, padded, group=self._group, async_op=async_op
+            ),
+            step,
+            f"{what} (all_gather)",
+        )
+        return [
+            pickle.loads(bytes(chunk[:length].cpu().tolist()))
+            for chunk, length in zip(gathered, lengths, strict=True)
+        ]
+
+    def dedicated(self) -> Agreement:
+        """An agreement like this one on a process group of its own, made by the group's
+        members alone (a subgroup's scaler needs no rank outside it).
+
+        For collectives issued from another thread (the async scaler's optimizer thread): a
+        group's collectives must come in the same order on every rank, and that thread's would
+        race with the model's own.
+        """
+        if self.world_size == 1:
+            return Agreement(self._requested, self.timeout)
+        assert self._group is not None  # set by world_size
+        ranks = dist.get_process_group_ranks(self._group)
+        own = dist.new_group(ranks, use_local_synchronization=True)
+        return Agreement(own, self.timeout)
+
+    def collective(
+        self, start: Callable[[bool], dist.Work | None], step: int | None, what: str
+    ) -> None:
         """Run ``start(async_op)`` and wait for it, at most ``timeout``.
 
         Raises:
@@ -273,14 +324,14 @@ class Agreement:
         except RuntimeError as error:
             if "timed out" not in str(error).lower():
                 raise ShardScaleDistributedError(
-                    f"step {step}: exchanging {what} with the other {self.world_size - 1} "
+                    f"{_at(step)}exchanging {what} with the other {self.world_size - 1} "
                     f"rank(s) failed: a rank left the process group ({error})"
                 ) from error
             completed = False
         if not completed:
             assert self.timeout is not None
             raise ShardScaleDistributedError(
-                f"step {step}: waited {self.timeout.total_seconds():g} s for all "
+                f"{_at(step)}waited {self.timeout.total_seconds():g} s for all "
                 f"{self.world_size} ranks of the process group to exchange {what}, and at least "
                 "one never arrived: it crashed, hung, or took another code path (e.g. skipped "
                 "scaler.step(), or stepped another optimizer). The process group cannot be "
@@ -292,6 +343,10 @@ class Agreement:
         if len(local_flags) == 1:
             return move(local_flags[0], device)
         return torch.stack([move(flag, device) for flag in local_flags]).amax()
+
+
+def _at(step: int | None) -> str:
+    return "" if step is None else f"step {step}: "
 
 
 @functools.cache

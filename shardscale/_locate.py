@@ -5,8 +5,8 @@ A sharded model hides its parameters behind wrappers: DDP's ``module.``, FSDP1's
 parameters, each rank a slice of it), activation checkpointing's ``_checkpoint_wrapped_module.``,
 ``torch.compile``'s ``_orig_mod.``, FSDP2's DTensors. Each rank counts the infs and NaNs in the
 gradient elements it holds, per original parameter (an FSDP1 flat shard is cut back into the
-original parameters by the offsets FSDP records), and one ``all_gather_object`` gives every rank
-the same list.
+original parameters by the offsets FSDP records), and the agreement module gathers the records,
+so every rank gets the same list (within the scaler's ``sync_timeout``).
 
 This costs host reads and a collective, so the scaler runs it only on steps every rank already
 agreed overflowed (``locate_overflow=True``): clean steps pay nothing.
@@ -16,11 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardscale._agree import Agreement
+from shardscale._config import timeout_option
 from shardscale._grads import original_slices
 
 __all__ = ["NonFiniteGrad", "find_nonfinite_grads", "locate", "optimizer_named_params"]
@@ -86,7 +90,7 @@ def optimizer_named_params(optimizer: torch.optim.Optimizer) -> Iterator[tuple[s
 
 
 def locate(
-    named_params: Iterable[tuple[str, torch.Tensor]], process_group: dist.ProcessGroup | None
+    named_params: Iterable[tuple[str, torch.Tensor]], agreement: Agreement, step: int | None
 ) -> list[NonFiniteGrad]:
     """Count non-finite local gradient elements per original parameter; gather over the group.
 
@@ -99,8 +103,7 @@ def locate(
     ]
     counted = [(name, values) for name, values in pieces if values.numel() > 0]
     mine: list[NonFiniteGrad] = []
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if counted:
         with torch.no_grad():
             counts = torch.stack(
@@ -114,15 +117,15 @@ def locate(
             for (name, _), (infs, nans) in zip(counted, counts, strict=True)
             if infs or nans
         ]
-    if not distributed or dist.get_world_size(process_group) == 1:
-        return mine
-    gathered: list[list[NonFiniteGrad] | None] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(gathered, mine, group=process_group)
-    return [record for records in gathered for record in records or ()]
+    gathered = agreement.gather_objects(mine, step, "their non-finite gradient records")
+    return [record for records in gathered for record in cast(list[NonFiniteGrad], records)]
 
 
 def find_nonfinite_grads(
-    module: nn.Module, process_group: dist.ProcessGroup | None = None
+    module: nn.Module,
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    timeout: timedelta | float | None = None,
 ) -> list[NonFiniteGrad]:
     """Which parameters of ``module`` hold inf/NaN gradient elements, on which rank.
 
@@ -133,8 +136,9 @@ def find_nonfinite_grads(
     ``_orig_mod.`` or ``_flat_param``.
 
     A collective when the process group has more than one rank: call it on every rank of
-    ``process_group`` (None: the default group). Counts whatever the gradients hold now, scaled
-    or not (scaling changes no element's finiteness).
+    ``process_group`` (None: the default group); ``timeout`` bounds the wait for the other
+    ranks (a ``timedelta`` or seconds; None: the group's own). Counts whatever the gradients
+    hold now, scaled or not (scaling changes no element's finiteness).
 
     Returns:
         :class:`NonFiniteGrad` records (``rank``, ``name``, ``num_inf``, ``num_nan``) for every
@@ -143,4 +147,5 @@ def find_nonfinite_grads(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    return locate(_unwrapped(module).named_parameters(), process_group)
+    agreement = Agreement(process_group, timeout_option("timeout", timeout))
+    return locate(_unwrapped(module).named_parameters(), agreement, None)

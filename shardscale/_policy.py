@@ -27,8 +27,8 @@ counter is kept; it reduces to torch's when ``hysteresis == 1`` and the scale st
 The scale is float32; each product is taken in float64 and rounded once, as torch's
 ``_amp_update_scale_`` does, so both agree bit for bit. With ``dynamic=False`` nothing changes.
 
->>> policy = ScalePolicy(init_scale=8.0, growth_interval=2)
->>> state = policy.initial_state()
+>>> policy = ScalePolicy(growth_interval=2)
+>>> state = policy.initial_state(8.0)
 >>> for found_inf in (False, False, True):
 ...     state = policy.next(state, found_inf)
 >>> state.scale
@@ -84,8 +84,6 @@ class ScalePolicy:
         ValueError: a setting is out of range; the message states the rule and the value.
     """
 
-    init_scale: float = 2.0**16
-    """The scale of the first step. Finite, in ``[min_scale, max_scale]``."""
     growth_factor: float = 2.0
     """Multiplies the scale after ``growth_interval`` clean steps. Must be > 1."""
     backoff_factor: float = 0.5
@@ -102,7 +100,6 @@ class ScalePolicy:
     """False: the scale never changes (the bf16 guard); non-finite steps are still skipped."""
 
     def __post_init__(self) -> None:
-        init_scale = _require_real("init_scale", self.init_scale)
         growth_factor = _require_real("growth_factor", self.growth_factor)
         backoff_factor = _require_real("backoff_factor", self.backoff_factor)
         growth_interval = _require_int("growth_interval", self.growth_interval)
@@ -129,7 +126,6 @@ class ScalePolicy:
             raise ValueError(
                 f"max_scale must be >= min_scale ({min_scale}) or inf, got {max_scale}"
             )
-        self.check_scale("init_scale", init_scale)
 
     def check_scale(self, name: str, scale: float) -> None:
         """Raise ValueError unless ``scale`` is a value this policy can hold."""
@@ -155,11 +151,16 @@ class ScalePolicy:
                 f"got {state.hysteresis_tracker}"
             )
 
-    def initial_state(self) -> ScaleState:
-        """The state before the first step."""
-        return ScaleState(
-            scale=_f32(self.init_scale), growth_tracker=0, hysteresis_tracker=self.hysteresis
-        )
+    def initial_state(self, init_scale: float) -> ScaleState:
+        """The state before the first step, at scale ``init_scale`` (float32, as on the device).
+
+        Raises:
+            TypeError, ValueError: ``init_scale`` is not a finite number in
+                ``[min_scale, max_scale]``.
+        """
+        scale = _require_real("init_scale", init_scale)
+        self.check_scale("init_scale", scale)
+        return ScaleState(scale=_f32(scale), growth_tracker=0, hysteresis_tracker=self.hysteresis)
 
     def next(self, state: ScaleState, found_inf: bool) -> ScaleState:
         """Return the state after one step; the definition of the policy (see the module)."""

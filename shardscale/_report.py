@@ -1,4 +1,5 @@
-"""What happened at each step, told to whoever listens: stats, hooks, the log, the skip limit.
+"""What happened at each step, told to whoever listens: stats, hooks, the log, the skip limit,
+the floor warning, located overflows.
 
 Invariant: reporting never adds a host synchronisation to the step. The numbers live on the
 device (``DeviceState``); after each ``update()`` they are packed into one small tensor and
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,10 +23,13 @@ from dataclasses import dataclass
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from shardscale._errors import ShardScaleSkipError
-from shardscale._state import Counters, DeviceState, unpack
+from shardscale._checkpoint import Counters
+from shardscale._device_state import DeviceState, unpack
+from shardscale._errors import ShardScaleSkipError, ShardScaleWarning
+from shardscale._locate import NonFiniteGrad
+from shardscale._policy import ScalePolicy
 
-__all__ = ["LOG_INTERVAL_S", "ScalerStats", "StepReporter", "logger"]
+__all__ = ["LOG_INTERVAL_S", "ScalerStats", "StepReporter", "log_located", "logger"]
 
 logger = logging.getLogger("shardscale")
 """The library's logger: INFO per skipped step (rate-limited), WARNING for located overflows."""
@@ -84,6 +89,7 @@ class StepReporter:
         self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self._last_logged = -float("inf")
         self._unlogged_skips = 0
+        self._warned_at_floor = False
 
     def register(self, hook: StatsHook) -> RemovableHandle:
         handle = RemovableHandle(self._hooks)
@@ -171,3 +177,31 @@ class StepReporter:
         )
         self._last_logged = now
         self._unlogged_skips = 0
+
+    def warn_if_at_floor(self, state: DeviceState, policy: ScalePolicy, steps: int) -> None:
+        """Warn, once, when the scale has backed off to ``min_scale`` and cannot go lower.
+
+        Reads the scale (a host synchronisation on an accelerator: callers there only call it
+        where they read the device anyway).
+        """
+        if self._warned_at_floor or not policy.dynamic:
+            return
+        if state.scale.item() <= policy.min_scale and state.counters[1] > 0:
+            self._warned_at_floor = True
+            warnings.warn(
+                f"the loss scale has backed off to min_scale={policy.min_scale} (by step {steps}) "
+                "and cannot go lower: steps that still overflow are skipped and the scale holds. "
+                "Gradients that are non-finite even at this scale usually mean a NaN/inf in the "
+                "model or the loss.",
+                ShardScaleWarning,
+                stacklevel=3,
+            )
+
+
+def log_located(step: int, located: list[NonFiniteGrad]) -> None:
+    """Log where an overflow step's non-finite gradients were (WARNING: a real anomaly)."""
+    logger.warning(
+        "step %d overflowed; non-finite gradients at: %s",
+        step,
+        "; ".join(map(str, located)) or "(none: already cleared)",
+    )

@@ -33,10 +33,10 @@ Semantics (the contract this module keeps):
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -45,21 +45,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardscale._agree import Agreement
-from shardscale._optimizers import OptimizerTarget
+from shardscale._config import timeout_option
+from shardscale._iteration import IterationBook, Stage
+from shardscale._optimizers import OptimizerTarget, steppables
 from shardscale._report import ScalerStats
-from shardscale.scaler import ShardedGradScaler, _OptimizerRecord, _Stage
+from shardscale._stepping import Stepper
+from shardscale.scaler import ShardedGradScaler
 
 __all__ = ["AsyncShardedGradScaler"]
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
 class _Iteration:
     number: int
-    """1-based, counted by this scaler (the step number is ``record.step``)."""
-    loss_scale: torch.Tensor
-    """The scale this iteration's losses were multiplied by; never modified."""
-    record: _OptimizerRecord | None = None
+    """1-based, counted by this scaler (the step it takes is ``book.step``)."""
+    book: IterationBook
     closed: bool = False
     """update() was called for it."""
     resolved: bool = False
@@ -69,18 +69,12 @@ class _Iteration:
 
     @property
     def agreed(self) -> bool:
-        return self.record is not None and self.record.found_inf is not None
+        return bool(self.book.found_infs())
 
-
-def _seconds(value: timedelta | float) -> float:
-    seconds = value.total_seconds() if isinstance(value, timedelta) else value
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-        raise TypeError(
-            f"step_timeout must be a datetime.timedelta or seconds, got {type(value).__name__}"
-        )
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"step_timeout must be a finite time > 0, got {seconds} s")
-    return float(seconds)
+    @property
+    def stepped(self) -> bool:
+        records = self.book.records.values()
+        return bool(records) and all(r.stage is Stage.STEPPED for r in records)
 
 
 class AsyncShardedGradScaler(ShardedGradScaler):
@@ -114,8 +108,6 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         ValueError: ``verify_every`` was given, or ``step_timeout`` is not a time > 0.
     """
 
-    _defers_agreement = False
-
     def __init__(
         self,
         device: str | torch.device | None = None,
@@ -129,7 +121,9 @@ class AsyncShardedGradScaler(ShardedGradScaler):
                 "with the optimizer thread's; call verify_agreement() between iterations"
             )
         super().__init__(device, **kwargs)
-        self._step_timeout = _seconds(step_timeout)
+        timeout = timeout_option("step_timeout", step_timeout)
+        assert timeout is not None
+        self._step_timeout = timeout.total_seconds()
         self._lock = threading.Condition()
         self._iterations: deque[_Iteration] = deque()  # opened, not yet resolved and stepped
         self._open: _Iteration | None = None  # the one scale() is feeding
@@ -137,99 +131,101 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         self._optimizer_id: int | None = None
         self._resolved_skip: torch.Tensor | None = None
         if dist.is_available() and dist.is_initialized():
-            group = self._agreement.process_group or dist.group.WORLD
-            ranks = dist.get_process_group_ranks(group)
-            if len(ranks) > 1:
-                own = dist.new_group(ranks)
-                self._agreement = Agreement(own, self._agreement.timeout)
+            self._agreement = self._agreement.dedicated()
+        self._stepper = Stepper(
+            self._agreement, locate_overflow=self._config.locate_overflow, defers_agreement=False
+        )
 
     # ------------------------------------------------------------------ the iteration
 
-    def _loss_factor(self) -> torch.Tensor:
-        """This iteration's scale: the one ``update()`` of the previous iteration made.
+    def scale(self, outputs: Any) -> Any:
+        """As :meth:`ShardedGradScaler.scale`, with this iteration's scale: the one ``update()``
+        of the previous iteration made.
 
         The first ``scale()`` of an iteration waits (at most ``step_timeout``) until the
         previous iteration's overflow flag is agreed; later calls of the same iteration do not.
         """
-        with self._lock:
-            if self._open is None:
-                self._check_world()
-                self._wait(
-                    lambda: all(it.resolved for it in self._iterations),
-                    lambda: (
-                        f"the step of iteration {self._opened} to agree on its overflow "
-                        f"flag (scale() of iteration {self._opened + 1} needs its outcome)"
-                    ),
-                )
-                state = self._require_state("scale")
-                self._opened += 1
-                self._open = _Iteration(number=self._opened, loss_scale=state.scale.clone())
-                self._iterations.append(self._open)
-            return self._open.loss_scale
+        if self._enabled:
+            with self._lock:
+                if self._open is None:
+                    self._open_iteration()
+        return super().scale(outputs)
 
-    def _begin(
-        self, optimizer: torch.optim.Optimizer, funcname: str
-    ) -> tuple[_OptimizerRecord, torch.Tensor]:
+    def _open_iteration(self) -> None:
+        """Wait for the ended iterations to resolve, then open the next one (lock held)."""
+        self._check_world()
+        self._wait(
+            lambda: all(it.resolved for it in self._iterations),
+            lambda: (
+                f"the step of iteration {self._opened} to agree on its overflow "
+                f"flag (scale() of iteration {self._opened + 1} needs its outcome)"
+            ),
+        )
+        self._opened += 1
+        book = IterationBook(step=self._steps + 1, on_agreed=self._on_agreed)
+        self._open = _Iteration(number=self._opened, book=book)
+        self._iterations.append(self._open)
+        self._book = book  # scale() fills in its loss scale: a copy of the scale now
+
+    def unscale_(self, optimizer: OptimizerTarget) -> None:
+        """As :meth:`ShardedGradScaler.unscale_`, for the oldest iteration not yet stepped."""
+        if not self._enabled:
+            return
+        with self._serving(optimizer, "unscale_") as iteration:
+            scale = self._loss_scale_of(iteration, "unscale_")
+            self._stepper.unscale(iteration.book, optimizer, scale)
+
+    def step(self, optimizer: OptimizerTarget, *args: Any, **kwargs: Any) -> Any:
+        """As :meth:`ShardedGradScaler.step`, for the oldest iteration not yet stepped."""
+        if not self._enabled or "closure" in kwargs:
+            return super().step(optimizer, *args, **kwargs)
+        with self._serving(optimizer, "step") as iteration:
+            scale = self._loss_scale_of(iteration, "step")
+            result, _, _ = self._stepper.step(iteration.book, optimizer, scale, args, kwargs)
         with self._lock:
-            if self._optimizer_id is None:
-                self._optimizer_id = id(optimizer)
-            elif self._optimizer_id != id(optimizer):
-                raise ValueError(
-                    "AsyncShardedGradScaler serves one optimizer, and got a second one: its step "
-                    "is what completes an iteration. Use one optimizer (with several param "
-                    "groups), or one scaler per optimizer"
-                )
-            iteration = next(
-                (
-                    it
-                    for it in self._iterations
-                    if it.record is None or it.record.stage is not _Stage.STEPPED
-                ),
-                None,
-            )
+            while self._iterations and self._iterations[0].resolved:
+                if not self._iterations[0].stepped:
+                    break
+                self._iterations.popleft()
+        return result
+
+    @contextmanager
+    def _serving(self, optimizer: OptimizerTarget, funcname: str) -> Iterator[_Iteration]:
+        """The oldest iteration not yet stepped; a failure inside marks it failed for whoever
+        waits for its outcome (a later ``scale()``)."""
+        leaves = [leaf for item in steppables(optimizer) for leaf in item.leaves]
+        with self._lock:
+            for leaf in leaves:
+                if self._optimizer_id is None:
+                    self._optimizer_id = id(leaf)
+                elif self._optimizer_id != id(leaf):
+                    raise ValueError(
+                        "AsyncShardedGradScaler serves one optimizer, and got a second one: its "
+                        "step is what completes an iteration. Use one optimizer (with several "
+                        "param groups), or one scaler per optimizer"
+                    )
+            iteration = next((it for it in self._iterations if not it.stepped), None)
             if iteration is None:
                 raise RuntimeError(
                     f"Attempted {funcname} but no iteration is waiting for a step: call "
                     "scaler.scale(loss) (and backward) before stepping its gradients"
                 )
-            if iteration.record is None:
-                # every older iteration has resolved (scale() waited for it): counted in _steps
-                iteration.record = _OptimizerRecord(optimizer, step=self._steps + 1)
-            return iteration.record, iteration.loss_scale
-
-    def unscale_(self, optimizer: OptimizerTarget) -> None:
-        """As :meth:`ShardedGradScaler.unscale_`, for the oldest iteration not yet stepped."""
-        self._failing_safely(lambda: super(AsyncShardedGradScaler, self).unscale_(optimizer))
-
-    def step(self, optimizer: OptimizerTarget, *args: Any, **kwargs: Any) -> Any:
-        """As :meth:`ShardedGradScaler.step`, for the oldest iteration not yet stepped."""
-        return self._failing_safely(
-            lambda: super(AsyncShardedGradScaler, self).step(optimizer, *args, **kwargs)
-        )
-
-    def _failing_safely(self, call: Callable[[], Any]) -> Any:
         try:
-            return call()
+            yield iteration
         except BaseException as error:
             with self._lock:
-                # the iteration this call served can never resolve: tell whoever waits for it
-                for iteration in self._iterations:
-                    if iteration.record is not None and not iteration.agreed:
-                        iteration.failure = error
-                        break
+                if not iteration.agreed:  # it can never resolve now: tell whoever waits
+                    iteration.failure = error
                 self._lock.notify_all()
             raise
 
-    def _end(self, record: _OptimizerRecord) -> None:
-        with self._lock:
-            self._resolve()
-            while (
-                self._iterations
-                and self._iterations[0].resolved
-                and self._iterations[0].record is not None
-                and self._iterations[0].record.stage is _Stage.STEPPED
-            ):
-                self._iterations.popleft()
+    def _loss_scale_of(self, iteration: _Iteration, funcname: str) -> torch.Tensor:
+        if iteration.book.loss_scale is None:
+            raise RuntimeError(
+                f"Attempted {funcname} but iteration {iteration.number} has no scale: call "
+                "scaler.scale(loss) in it"
+            )
+        return iteration.book.loss_scale
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """End the current iteration; its scale update happens once its flag is agreed.
@@ -255,18 +251,24 @@ class AsyncShardedGradScaler(ShardedGradScaler):
             self._open = None
             self._resolve()
 
+    def _on_agreed(self, book: IterationBook) -> None:
+        """An iteration's flag is agreed (on the optimizer thread): resolve what can be."""
+        with self._lock:
+            self._resolve()
+            self._lock.notify_all()
+
     def _resolve(self) -> None:
         """Apply, in order, the updates of iterations that are ended and agreed (lock held)."""
         for iteration in self._iterations:
             if iteration.resolved:
                 continue
-            found_inf = iteration.record.found_inf if iteration.record is not None else None
-            if not iteration.closed or found_inf is None:
+            found_infs = iteration.book.found_infs()
+            if not iteration.closed or not found_infs:
                 return
             iteration.resolved = True
-            self._resolved_skip = found_inf
+            self._resolved_skip = found_infs[0]
             self._lock.notify_all()
-            self._apply([found_inf], iteration.manual_scale)
+            self._apply(found_infs, iteration.manual_scale)
 
     # ------------------------------------------------------------------ waiting
 
@@ -298,14 +300,13 @@ class AsyncShardedGradScaler(ShardedGradScaler):
     def _check_world(self) -> None:
         # a group given or made at construction: only a default-group scaler lacks its own
         dedicated = self._agreement.process_group is not None
-        if not dedicated and dist.is_available() and dist.is_initialized():
-            group = self._agreement.process_group or dist.group.WORLD
-            if dist.get_world_size(group) > 1:
-                raise RuntimeError(
-                    "AsyncShardedGradScaler was built before torch.distributed was "
-                    "initialised: build it after init_process_group(), on every rank (it creates "
-                    "a process group of its own for the optimizer thread's collectives)"
-                )
+        initialised = dist.is_available() and dist.is_initialized()
+        if not dedicated and initialised and dist.get_world_size() > 1:
+            raise RuntimeError(
+                "AsyncShardedGradScaler was built before torch.distributed was initialised: "
+                "build it after init_process_group(), on every rank (it creates a process group "
+                "of its own for the optimizer thread's collectives)"
+            )
 
     # ------------------------------------------------------------------ reading the state
 

@@ -23,7 +23,12 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from shardscale._state import OUR_KEYS, TORCH_KEYS
+from shardscale._checkpoint import OUR_KEYS_BY_VERSION, TORCH_KEYS
+
+# every key any format version has: read whichever the checkpoint holds
+_KEYS = tuple(
+    dict.fromkeys((*TORCH_KEYS, *(k for keys in OUR_KEYS_BY_VERSION.values() for k in keys)))
+)
 
 __all__ = ["inspect_checkpoint", "main"]
 
@@ -73,18 +78,14 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
         {name.rsplit(".", 1)[0] for name in names if name.endswith(".scale")}
         & {name.rsplit(".", 1)[0] for name in names if name.endswith("._growth_tracker")}
     )
-    scaler_keys = [
-        f"{p}.{k}" for p in prefixes for k in TORCH_KEYS + OUR_KEYS if f"{p}.{k}" in names
-    ]
+    scaler_keys = [f"{p}.{k}" for p in prefixes for k in _KEYS if f"{p}.{k}" in names]
     step_keys = [name for name in names if _STEP_COUNTER.match(name)]
     try:
         values = _read(path, scaler_keys + step_keys)
     except Exception as error:
         raise CheckpointUnreadable(f"cannot load from {path}: {error}") from error
     scalers = {
-        prefix: {
-            k: values[f"{prefix}.{k}"] for k in TORCH_KEYS + OUR_KEYS if f"{prefix}.{k}" in values
-        }
+        prefix: {k: values[f"{prefix}.{k}"] for k in _KEYS if f"{prefix}.{k}" in values}
         for prefix in prefixes
     }
     counters: dict[str, dict[str, float]] = defaultdict(dict)

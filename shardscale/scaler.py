@@ -1,24 +1,23 @@
 """ShardedGradScaler: torch's loss-scaling protocol, with every rank of the group agreeing.
 
-Invariant: after ``step(optimizer)`` every rank of the process group has made the same skip/step
-decision for that optimizer, and after ``update()`` every rank holds the same scale, trackers and
-counters. That holds because each rank checks its own gradient shards and the ranks then share
-ONE flag tensor in ONE all-reduce per optimizer per step (``_agree``); everything after that
-(the skip decision, the policy maths) is a deterministic function of the agreed flag.
+Invariant: after ``step()`` every rank of the process group has made the same skip/step
+decision for its optimizers, and after ``update()`` every rank holds the same scale, trackers
+and counters. That holds because each rank checks its own gradient shards and the ranks then
+share ONE flag tensor in ONE all-reduce per step; everything after that (the skip decision, the
+policy maths) is a deterministic function of the agreed flag.
 
-The class orchestrates and stays thin: ``_grads`` finds the local gradients, ``_check`` checks
-and unscales them, ``_agree`` runs the collective, ``_policy`` moves the scale, ``_state`` reads
-and validates state dicts.
+The class orchestrates and stays thin: ``_config`` validates the options, ``_iteration`` keeps
+the iteration's call-order state, ``_stepping`` checks, agrees, clips and steps, ``_device_state``
+holds the scale on the device, ``_checkpoint`` reads and writes state dicts, ``_report`` tells
+what happened.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import timedelta
-from enum import Enum
 from typing import Any, overload
 
 import torch
@@ -26,121 +25,22 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
-from shardscale._agree import Agreement, Verdict
-from shardscale._check import check_and_unscale_, multiply_
-from shardscale._clip import (
-    apply_,
-    by_device_dtype,
-    check_clip_args,
-    local_norms,
-    norm_flags_exact,
-)
+from shardscale._agree import Agreement
+from shardscale._checkpoint import Counters, ScalerState, parse_state_dict, to_state_dict
+from shardscale._clip import check_clip_args
+from shardscale._config import ScalerConfig
+from shardscale._device_state import DeviceState
 from shardscale._devices import move
 from shardscale._errors import ShardScaleWarning, no_scale_message
-from shardscale._grads import GradCache, grads_device
-from shardscale._locate import NonFiniteGrad, locate, optimizer_named_params
-from shardscale._optimizers import (
-    OptimizerTarget,
-    Steppable,
-    optimizer_params,
-    steppables,
-    takes_scale,
-)
+from shardscale._grads import grads_device
+from shardscale._iteration import IterationBook
+from shardscale._locate import NonFiniteGrad
+from shardscale._optimizers import OptimizerTarget, optimizer_params, steppables
 from shardscale._policy import ScalePolicy
-from shardscale._report import ScalerStats, StatsHook, StepReporter, logger, stats_from, stats_of
-from shardscale._state import (
-    Counters,
-    DeviceState,
-    ScalerState,
-    parse_state_dict,
-    to_state_dict,
-)
+from shardscale._report import ScalerStats, StatsHook, StepReporter, stats_from, stats_of
+from shardscale._stepping import Stepper, plain_replicas
 
 __all__ = ["ShardedGradScaler"]
-
-_CPU = torch.device("cpu")
-
-
-class _Stage(Enum):
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
-
-
-@dataclass(slots=True)
-class _OptimizerRecord:
-    """Where one optimizer is in the current iteration, and its agreed overflow flag."""
-
-    optimizer: torch.optim.Optimizer
-    step: int
-    """The number of the step this iteration takes (error messages name it)."""
-    stage: _Stage = _Stage.READY
-    found_inf: torch.Tensor | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class _Clipped:
-    """What ``clip_grad_norm_`` unscaled and agreed on this iteration, for ``step`` to reuse."""
-
-    param_ids: frozenset[int]
-    found_inf: torch.Tensor
-
-
-@dataclass(slots=True)
-class _Pending:
-    """Gradients ``unscale_()`` checked and unscaled locally, whose flags await the agreement.
-
-    The agreement waits for the next point that needs it (``step``, ``clip_grad_norm_``,
-    ``update``), so ``unscale_`` + clip + step still cost one collective.
-    """
-
-    records: list[_OptimizerRecord]
-    flags: list[torch.Tensor]
-    holds: bool
-
-
-def _device_type(device: str | torch.device | None) -> str | None:
-    if device is None:
-        return None
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(
-            f"device must be a str, a torch.device or None, got {type(device).__name__}: {device!r}"
-        )
-    try:
-        return torch.device(device).type
-    except RuntimeError as error:
-        raise ValueError(f"device must name a torch device type, got {device!r}") from error
-
-
-def _combined(found_infs: list[torch.Tensor | None]) -> torch.Tensor:
-    """The largest of agreed flags: itself when they are one tensor (the usual case)."""
-    distinct = list({id(f): f for f in found_infs if f is not None}.values())
-    if len(distinct) == 1:
-        return distinct[0]
-    return torch.stack([move(f, distinct[0].device) for f in distinct]).amax()
-
-
-def _inverse(scale: torch.Tensor) -> torch.Tensor:
-    """1/scale in float32, taken in float64: fp32 division can be imprecise under some compile
-    options."""
-    return scale.double().reciprocal().float()
-
-
-def _timeout(sync_timeout: timedelta | float | None) -> timedelta | None:
-    if sync_timeout is None:
-        return None
-    if isinstance(sync_timeout, timedelta):
-        seconds = sync_timeout.total_seconds()
-    elif isinstance(sync_timeout, (int, float)) and not isinstance(sync_timeout, bool):
-        seconds = float(sync_timeout)
-    else:
-        raise TypeError(
-            "sync_timeout must be a datetime.timedelta, a number of seconds or None, got "
-            f"{type(sync_timeout).__name__}"
-        )
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"sync_timeout must be a finite time > 0, got {seconds} s")
-    return timedelta(seconds=seconds)
 
 
 class ShardedGradScaler:
@@ -150,7 +50,7 @@ class ShardedGradScaler:
     ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``, with the same methods,
     call-order errors and state-dict keys. Each rank checks its local gradient shards (plain,
     DDP, FSDP1 flat parameters, FSDP2/DTensor, CPU-offloaded, sparse) for inf/NaN, and the ranks
-    agree in one all-reduce per optimizer per step, so every rank skips or steps together. With
+    agree in one all-reduce per step, so every rank skips or steps together. With
     no initialised process group, or a world size of 1, it issues no collective and behaves like
     ``torch.amp.GradScaler``.
 
@@ -196,17 +96,13 @@ class ShardedGradScaler:
         locate_overflow: on steps that overflow, find which parameters hold the inf/NaN
             gradients on which rank (:func:`find_nonfinite_grads`), keep the records in
             :attr:`last_overflow` and log them (WARNING, logger ``"shardscale"``). Clean steps
-            pay nothing; an overflow step pays host reads and one ``all_gather_object``. Name
+            pay nothing; an overflow step pays host reads and one gather of the records. Name
             the parameters by building the optimizer from ``model.named_parameters()``.
 
     Raises:
         TypeError: an argument has the wrong type.
         ValueError: an argument is out of range; the message states the rule and the value.
     """
-
-    # Whether unscale_() leaves the agreement to the next step/clip/update. The async scaler
-    # agrees at once: its update() runs on another thread than its unscale_().
-    _defers_agreement = True
 
     def __init__(
         self,
@@ -227,47 +123,24 @@ class ShardedGradScaler:
         max_consecutive_skips: int | None = None,
         locate_overflow: bool = False,
     ) -> None:
-        if not isinstance(enabled, bool):
-            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}: {enabled!r}")
-        if not isinstance(dynamic, bool):
-            raise TypeError(f"dynamic must be a bool, got {type(dynamic).__name__}: {dynamic!r}")
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(
-                "process_group must be a torch.distributed.ProcessGroup or None, got "
-                f"{type(process_group).__name__}"
-            )
-        device_type = _device_type(device)
-        timeout = _timeout(sync_timeout)
-        if isinstance(verify_every, bool) or not isinstance(verify_every, int):
-            raise TypeError(f"verify_every must be an int, got {type(verify_every).__name__}")
-        if verify_every < 0:
-            raise ValueError(f"verify_every must be >= 0 (0: never), got {verify_every}")
-        if max_consecutive_skips is not None:
-            if isinstance(max_consecutive_skips, bool) or not isinstance(
-                max_consecutive_skips, int
-            ):
-                raise TypeError(
-                    "max_consecutive_skips must be an int or None, got "
-                    f"{type(max_consecutive_skips).__name__}"
-                )
-            if max_consecutive_skips < 1:
-                raise ValueError(
-                    "max_consecutive_skips must be >= 1 (None: no limit), got "
-                    f"{max_consecutive_skips}"
-                )
-        if not isinstance(locate_overflow, bool):
-            raise TypeError(f"locate_overflow must be a bool, got {type(locate_overflow).__name__}")
-        policy = ScalePolicy(
-            init_scale=(2.0**16 if dynamic else 1.0) if init_scale is None else init_scale,
+        config = ScalerConfig(
+            device=device,  # type: ignore[arg-type]  # normalised to its type by the config
+            init_scale=init_scale,
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,
             growth_interval=growth_interval,
+            enabled=enabled,
+            process_group=process_group,
             hysteresis=hysteresis,
             min_scale=min_scale,
-            max_scale=float("inf") if max_scale is None else max_scale,
+            max_scale=max_scale,
             dynamic=dynamic,
+            sync_timeout=sync_timeout,
+            verify_every=verify_every,
+            max_consecutive_skips=max_consecutive_skips,
+            locate_overflow=locate_overflow,
         )
-        if enabled and device_type == "cuda" and not torch.cuda.is_available():
+        if enabled and config.device == "cuda" and not torch.cuda.is_available():
             warnings.warn(
                 "ShardedGradScaler(device='cuda') is enabled, but CUDA is not available. "
                 "Disabling (as torch.amp.GradScaler does); leave device unset to follow the loss.",
@@ -275,67 +148,38 @@ class ShardedGradScaler:
                 stacklevel=2,
             )
             enabled = False
-        initial = ScalerState(policy=policy, scale=policy.initial_state(), counters=Counters())
-        self._setup(
-            device_type,
-            enabled,
-            Agreement(process_group, timeout),
-            initial,
-            verify_every,
-            max_consecutive_skips,
-            locate_overflow,
+        policy = config.policy()
+        state = ScalerState(
+            policy=policy, scale=policy.initial_state(config.first_scale()), counters=Counters()
         )
+        self._setup(config, enabled, state)
 
-    def _setup(
-        self,
-        device_type: str | None,
-        enabled: bool,
-        agreement: Agreement,
-        initial: ScalerState,
-        verify_every: int,
-        max_consecutive_skips: int | None,
-        locate_overflow: bool,
-    ) -> None:
-        self._device_type = device_type
+    def _setup(self, config: ScalerConfig, enabled: bool, state: ScalerState) -> None:
+        self._config = config
         self._enabled = enabled
-        self._agreement = agreement
-        self._verify_every = verify_every
-        self._reporter = StepReporter(max_consecutive_skips)
-        self._locate_overflow = locate_overflow
-        self._last_overflow: list[NonFiniteGrad] = []
-        # The steps counted so far, kept on the host too: error messages name the step without
-        # reading the device.
-        self._steps = initial.counters.steps
-        # Host-side state until the first scale() puts it on the loss's device.
-        self._initial = initial
+        self._agreement = Agreement(config.process_group, config.timeout)
+        self._stepper = Stepper(
+            self._agreement, locate_overflow=config.locate_overflow, defers_agreement=True
+        )
+        self._reporter = StepReporter(config.max_consecutive_skips)
+        # The state on the host until the first scale() (or step) puts it on a device.
+        self._host = state
         self._device_state: DeviceState | None = None
-        # The scale the losses are multiplied by: a copy of the live scale, made once per
-        # update, so update() never modifies a tensor autograd saved for a pending backward.
-        self._loss_scale: torch.Tensor | None = None
-        self._records: dict[int, _OptimizerRecord] = {}
-        self._clipped: _Clipped | None = None
+        # The steps counted so far, kept on the host too: messages name the step without a read.
+        self._steps = state.counters.steps
+        self._book = IterationBook(step=self._steps + 1)
         # The last step()'s decision: a bool where the host already read it, else the device flag.
         self._last_skip: bool | torch.Tensor = False
-        self._warned_at_floor = False
-        # Whether this rank called scale() (a pipeline stage before the last never does).
-        self._scaled_here = False
-        # This rank's state was made by a step, not by scale(): until the group confirms that
-        # some rank scales, its gradients are checked but not modified.
-        self._scale_unconfirmed = False
-        self._warned_plain_replicas = False
-        # This rank's gradient walks, reused while the gradients stay the same tensors.
-        self._grad_cache = GradCache()
-        self._pending: _Pending | None = None
 
     # ------------------------------------------------------------------ settings
 
     @property
     def policy(self) -> ScalePolicy:
         """The current scale policy (growth, backoff, hysteresis, floor, ceiling)."""
-        return self._initial.policy
+        return self._host.policy
 
     def _set_policy(self, **changes: Any) -> None:
-        self._initial = replace(self._initial, policy=replace(self._initial.policy, **changes))
+        self._host = replace(self._host, policy=replace(self._host.policy, **changes))
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
@@ -409,22 +253,21 @@ class ShardedGradScaler:
     def _scale_tensor(self, output: torch.Tensor) -> torch.Tensor:
         if not output.is_floating_point():
             raise TypeError(f"scale() takes floating-point tensors, got dtype {output.dtype}")
-        if self._device_type is not None and output.device.type != self._device_type:
+        device_type = self._config.device
+        if device_type is not None and output.device.type != device_type:
             raise ValueError(
                 f"scale() got a tensor on {output.device}, but this scaler was built with "
-                f"device={self._device_type!r}; pass the loss's device, or leave device unset"
+                f"device={device_type!r}; pass the loss's device, or leave device unset"
             )
-        if self._device_state is None:
-            # The scale lives where the first loss does.
-            self._device_state = DeviceState.create(self._initial, output.device)
-        self._scaled_here = True
-        return (output * move(self._loss_factor(), output.device)).to(output.dtype)
-
-    def _loss_factor(self) -> torch.Tensor:
-        """The scale to multiply losses by: a copy of the live scale, made once per update."""
-        if self._loss_scale is None:
-            self._loss_scale = self._require_state("scale").scale.clone()
-        return self._loss_scale
+        if self._device_state is None:  # the scale lives where the first loss does
+            self._device_state = DeviceState.create(self._host, output.device)
+        self._stepper.scaled_here = True
+        book = self._book
+        if book.loss_scale is None:
+            # A copy of the live scale, once per iteration: update() then never modifies a
+            # tensor autograd saved for a backward still to come.
+            book.loss_scale = self._device_state.scale.clone()
+        return (output * move(book.loss_scale, output.device)).to(output.dtype)
 
     def unscale_(self, optimizer: OptimizerTarget) -> None:
         """Divide ``optimizer``'s gradients by the scale in place, and check them for inf/NaN.
@@ -444,41 +287,8 @@ class ShardedGradScaler:
         if not self._enabled:
             return
         leaves = [leaf for item in steppables(optimizer) for leaf in item.leaves]
-        self._ensure_state("unscale_", leaves)
-        begun = [self._begin(leaf, "unscale_") for leaf in leaves]
-        pending = []
-        for record, _scale in begun:
-            if self._take_clipped(record):  # clip_grad_norm_ unscaled these already
-                continue
-            if record.stage is _Stage.UNSCALED:
-                raise RuntimeError(
-                    "unscale_() has already been called on this optimizer since the last update()."
-                )
-            if record.stage is _Stage.STEPPED:
-                raise RuntimeError("unscale_() is being called after step().")
-            pending.append(record)
-        if pending and (self._scale_unconfirmed or not self._defers_agreement):
-            self._check_and_agree(pending, [], begun[0][1], "unscale_")
-        elif pending:
-            self._check_locally(pending, begun[0][1])
-        for record, _scale in begun:
-            self._end(record)
-
-    def _check_locally(self, records: list[_OptimizerRecord], scale: torch.Tensor) -> None:
-        """Unscale and check ``records``' gradients in place; leave the agreement pending."""
-        with torch.no_grad():
-            walk = self._grad_cache.walk(
-                ("unscale", *(id(r.optimizer) for r in records)),
-                (p for record in records for p in optimizer_params(record.optimizer)),
-            )
-            flags = check_and_unscale_(walk.kernel_groups(), _inverse(scale))
-        if self._pending is None:
-            self._pending = _Pending(records=[], flags=[], holds=False)
-        self._pending.records.extend(records)
-        self._pending.flags.extend(flags.values())
-        self._pending.holds = self._pending.holds or walk.holds
-        for record in records:
-            record.stage = _Stage.UNSCALED
+        scale = self._ensure_state("unscale_", leaves).scale
+        self._stepper.unscale(self._book, optimizer, scale)
 
     def step(self, optimizer: OptimizerTarget, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless done), then run ``optimizer.step()`` unless any rank overflowed.
@@ -501,86 +311,15 @@ class ShardedGradScaler:
         Raises:
             RuntimeError: a ``closure`` is passed, or step() already ran since :meth:`update`.
         """
-        items = steppables(optimizer)
         if not self._enabled:
-            results = [item.target.step(*args, **kwargs) for item in items]
+            results = [item.target.step(*args, **kwargs) for item in steppables(optimizer)]
             return results if isinstance(optimizer, (list, tuple)) else results[0]
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        leaves = [leaf for item in items for leaf in item.leaves]
-        self._ensure_state("step", leaves)
-        begun = [self._begin(leaf, "step") for leaf in leaves]
-        if any(record.stage is _Stage.STEPPED for record, _scale in begun):
-            raise RuntimeError("step() has already been called since the last update().")
-        scale = begun[0][1]
-        for record, _scale in begun:
-            self._take_clipped(record)
-        ready = [record for record, _scale in begun if record.stage is _Stage.READY]
-        # Fused optimizers unscale inside their own kernel: check their gradients, don't write.
-        still_scaled = [record for record in ready if takes_scale(record.optimizer)]
-        to_unscale = [record for record in ready if not takes_scale(record.optimizer)]
-        if ready or self._pending is not None:
-            self._check_and_agree(to_unscale, still_scaled, scale, "step")
-        records = {id(record.optimizer): record for record, _scale in begun}
-        decisions: dict[int, bool] = {}  # host reads of agreed flags, one per distinct flag
-        results = []
-        for item in items:
-            item_records = [records[id(leaf)] for leaf in item.leaves]
-            found_inf = _combined([r.found_inf for r in item_records])
-            if all(takes_scale(leaf) for leaf in item.leaves):
-                results.append(
-                    self._step_on_device(item, item_records, found_inf, scale, args, kwargs)
-                )
-            else:
-                if id(found_inf) not in decisions:  # the step's one host synchronisation
-                    decisions[id(found_inf)] = bool(found_inf.item())
-                skipped = decisions[id(found_inf)]
-                results.append(
-                    None
-                    if skipped
-                    else self._step_on_device(item, item_records, found_inf, scale, args, kwargs)
-                )
-            for record in item_records:
-                record.stage = _Stage.STEPPED
-        overall = _combined([record.found_inf for record, _scale in begun])
-        self._last_skip = decisions.get(id(overall), overall)
-        for record, _scale in begun:
-            self._end(record)
-        return results if isinstance(optimizer, (list, tuple)) else results[0]
-
-    def _step_on_device(
-        self,
-        item: Steppable,
-        records: list[_OptimizerRecord],
-        found_inf: torch.Tensor,
-        scale: torch.Tensor,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """Step ``item``, handing every fused optimizer in it the scale and the agreed flag.
-
-        A fused optimizer whose gradients are still scaled gets ``grad_scale`` (times its
-        own, if the user set one); one already unscaled (``unscale_``, ``clip_grad_norm_``)
-        gets only its own. It then skips on the device if ``found_inf`` is 1.0.
-        """
-        handed = []
-        for leaf, record in zip(item.leaves, records, strict=True):
-            if not takes_scale(leaf):
-                continue
-            user_grad_scale = getattr(leaf, "grad_scale", None)
-            if record.stage is _Stage.READY:  # still scaled
-                grad_scale = scale if user_grad_scale is None else scale * user_grad_scale
-            else:
-                grad_scale = user_grad_scale
-            leaf.grad_scale = grad_scale  # type: ignore[attr-defined]
-            leaf.found_inf = found_inf  # type: ignore[attr-defined]
-            handed.append(leaf)
-        try:
-            return item.target.step(*args, **kwargs)
-        finally:
-            for leaf in handed:
-                del leaf.grad_scale  # type: ignore[attr-defined]
-                del leaf.found_inf  # type: ignore[attr-defined]
+        leaves = [leaf for item in steppables(optimizer) for leaf in item.leaves]
+        scale = self._ensure_state("step", leaves).scale
+        result, self._last_skip, _ = self._stepper.step(self._book, optimizer, scale, args, kwargs)
+        return result
 
     def clip_grad_norm_(
         self,
@@ -631,125 +370,11 @@ class ShardedGradScaler:
         """
         max_norm, norm_type = check_clip_args(max_norm, norm_type)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        replicas = self._replicas_of(replica_group)
+        replicas = plain_replicas(replica_group, self._agreement.world_size)
         if not self._enabled:
-            return self._clip(params, max_norm, norm_type, replicas, None).total_norm  # type: ignore[return-value]
-        self._ensure_state("clip_grad_norm_", params)
-        scale = self._require_state("clip_grad_norm_").scale
-        if self._clipped is not None:
-            raise RuntimeError("clip_grad_norm_() has already been called since the last update().")
-        ids = frozenset(id(p) for p in params)
-        unscaled = [r for r in self._records.values() if r.stage is not _Stage.READY]
-        done = {id(p) for r in unscaled for p in optimizer_params(r.optimizer)}
-        if done and ids <= done:  # unscale_() ran for these already: exchange only the norm
-            return self._clip(params, max_norm, norm_type, replicas, None).total_norm  # type: ignore[return-value]
-        if ids & done:
-            raise RuntimeError(
-                "clip_grad_norm_() got parameters of which some, but not all, were already "
-                "unscaled by unscale_(): clip each optimizer's parameters after its unscale_(), "
-                "or all of them before any unscale_()"
-            )
-        verdict = self._clip(params, max_norm, norm_type, replicas, scale)
-        self._clipped = _Clipped(param_ids=ids, found_inf=verdict.found_inf)
-        assert verdict.total_norm is not None
-        return verdict.total_norm
-
-    def _replicas_of(self, replica_group: dist.ProcessGroup | DeviceMesh | int | None) -> int:
-        if replica_group is None:
-            return self._agreement.world_size
-        if isinstance(replica_group, DeviceMesh):
-            if replica_group.ndim != 1:
-                raise ValueError(
-                    f"replica_group must be a 1-D DeviceMesh, got one of shape "
-                    f"{tuple(replica_group.shape)}: slice it by the data-parallel dimension"
-                )
-            return replica_group.size()
-        if isinstance(replica_group, dist.ProcessGroup):
-            return dist.get_world_size(replica_group)
-        if isinstance(replica_group, bool) or not isinstance(replica_group, int):
-            raise TypeError(
-                "replica_group must be a ProcessGroup, a 1-D DeviceMesh, an int or None, got "
-                f"{type(replica_group).__name__}"
-            )
-        world_size = self._agreement.world_size
-        if not 1 <= replica_group <= world_size:
-            raise ValueError(
-                f"replica_group must be in [1, {world_size}] (the scaler's group size), got "
-                f"{replica_group}"
-            )
-        return replica_group
-
-    def _clip(
-        self,
-        params: list[torch.Tensor],
-        max_norm: float,
-        norm_type: float,
-        replicas: int,
-        scale: torch.Tensor | None,
-    ) -> Verdict:
-        """Norm (one read), agreement (one collective), unscale and clip (one read+write).
-
-        ``scale``: the scale the gradients still carry, or None if they carry none (already
-        unscaled, or a disabled scaler). Checks :meth:`unscale_` left pending are agreed on in
-        the same collective.
-        """
-        pending, self._pending = self._pending, None
-        with torch.no_grad():
-            walk = self._grad_cache.walk(("clip", replicas), params)
-            groups, plain = walk.norm_groups(replicas)
-            self._warn_if_plain_replicas_assumed(plain, replicas)
-            if scale is not None:
-                device = scale.device
-                inv_scale = _inverse(scale)
-            else:
-                device = next(iter(groups))[0] if groups else _CPU
-                inv_scale = torch.ones((), dtype=torch.float32, device=device)
-            share, norm_flags = local_norms(groups, norm_type, inv_scale, device)
-            flags = list(pending.flags) if pending is not None else []
-            if scale is not None:  # this pass is the check of still-scaled gradients
-                if not norm_flags_exact(groups, norm_type):
-                    norm_flags = check_and_unscale_(by_device_dtype(groups), None)
-                flags.extend(norm_flags.values())
-            confirm = "clip_grad_norm_" if scale is not None and self._scale_unconfirmed else None
-            holds = walk.holds or (pending is not None and pending.holds)
-            ballot = self._agreement.ballot(
-                device, holds_grads=holds, has_scale=confirm is None, with_norm=True
-            )
-            verdict = self._agreement.agree(
-                ballot,
-                flags,
-                device=device,
-                step=self._steps + 1,
-                confirm_scale=confirm,
-                norm_share=share,
-                norm_type=norm_type,
-            )
-            self._scale_unconfirmed = self._scale_unconfirmed and confirm is None
-            assert verdict.total_norm is not None
-            apply_(groups, max_norm, verdict.total_norm, None if scale is None else inv_scale)
-        if pending is not None:
-            for record in pending.records:
-                record.found_inf = verdict.found_inf
-            self._locate_if_overflowed(verdict.found_inf, pending.records)
-        return verdict
-
-    def _warn_if_plain_replicas_assumed(self, plain: bool, replicas: int) -> None:
-        """Warn, once, where the default replica group is most likely wrong: a pipeline stage."""
-        world_size = self._agreement.world_size
-        if not plain or self._scaled_here or replicas != world_size or world_size == 1:
-            return
-        if self._warned_plain_replicas:
-            return
-        self._warned_plain_replicas = True
-        warnings.warn(
-            "clip_grad_norm_ on a rank that never called scale() (a pipeline stage that computes "
-            "no loss?) got plain (non-DTensor) gradients and, with replica_group=None, takes "
-            f"them as replicated on all {world_size} ranks of the scaler's group (as under DDP). "
-            "If they are this stage's own, pass replica_group= (the stage's data-parallel group, "
-            "or 1 for pure pipeline parallelism): otherwise the norm is too small.",
-            ShardScaleWarning,
-            stacklevel=3,
-        )
+            return self._stepper.clip(None, params, max_norm, norm_type, replicas, None)
+        scale = self._ensure_state("clip_grad_norm_", params).scale
+        return self._stepper.clip(self._book, params, max_norm, norm_type, replicas, scale)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Move the scale: back off if any optimizer skipped, grow after enough clean steps.
@@ -767,36 +392,33 @@ class ShardedGradScaler:
         if not self._enabled:
             return
         scale = self._require_state("update").scale
-        if self._pending is not None:  # unscale_() without step(): agree on its check now
-            self._check_and_agree([], [], scale, "update")
-        found_infs = [r.found_inf for r in self._records.values() if r.found_inf is not None]
+        self._stepper.resolve_pending(self._book, scale, "update")  # unscale_() without step()
+        found_infs = self._book.found_infs()
         if new_scale is None and not found_infs:
             raise RuntimeError("No inf checks were recorded prior to update.")
         manual = None if new_scale is None else self._checked_new_scale(new_scale)
-        self._records = {}
-        self._clipped = None
         self._apply(found_infs, manual)
+        self._book = IterationBook(step=self._steps + 1)
 
     def _apply(self, found_infs: list[torch.Tensor], manual: torch.Tensor | None) -> None:
         """Count the step and move the scale from the agreed flags (or set it to ``manual``)."""
-        device_state = self._require_state("update")
-        scale = device_state.scale
+        state = self._require_state("update")
         if found_infs:
             found_inf = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).amax()
-            device_state.count_step_(found_inf)
+            state.count_step_(found_inf)
             self._steps += 1
             if manual is None:
                 self.policy.update_(
-                    scale, device_state.growth_tracker, device_state.hysteresis_tracker, found_inf
+                    state.scale, state.growth_tracker, state.hysteresis_tracker, found_inf
                 )
         if manual is not None:
-            scale.copy_(manual)
-        self._loss_scale = None
-        if scale.device.type == "cpu":  # reading the state costs no device synchronisation
-            self._warn_if_at_floor()
+            state.scale.copy_(manual)
+        if state.scale.device.type == "cpu":  # reading the state costs no device synchronisation
+            self._reporter.warn_if_at_floor(state, self.policy, self._steps)
         if found_infs:
-            self._reporter.push(device_state)
-        if self._verify_every and found_infs and self._steps % self._verify_every == 0:
+            self._reporter.push(state)
+        verify_every = self._config.verify_every
+        if verify_every and found_infs and self._steps % verify_every == 0:
             self.verify_agreement()
 
     def _checked_new_scale(self, new_scale: float | torch.Tensor) -> torch.Tensor:
@@ -837,8 +459,8 @@ class ShardedGradScaler:
         """
         self._reporter.flush()
         if self._device_state is None:
-            scale = self._initial.scale.scale if self._enabled else 1.0
-            return stats_of(scale, self._initial.counters)
+            scale = self._host.scale.scale if self._enabled else 1.0
+            return stats_of(scale, self._host.counters)
         return stats_from(self._device_state.packed().tolist())
 
     def register_stats_hook(self, hook: StatsHook) -> RemovableHandle:
@@ -862,15 +484,15 @@ class ShardedGradScaler:
         :class:`NonFiniteGrad` records (rank, name, num_inf, num_nan), identical on every
         rank. Empty before the first overflow, or without ``locate_overflow``.
         """
-        return list(self._last_overflow)
+        return list(self._stepper.last_overflow)
 
     def get_scale(self) -> float:
         """Return the current scale (1.0 when disabled). Costs a host sync on an accelerator."""
         if not self._enabled:
             return 1.0
         if self._device_state is None:
-            return self._initial.scale.scale
-        self._warn_if_at_floor()
+            return self._host.scale.scale
+        self._reporter.warn_if_at_floor(self._device_state, self.policy, self._steps)
         return float(self._device_state.scale.item())
 
     @property
@@ -887,7 +509,7 @@ class ShardedGradScaler:
         """The device type, under torch's private name (accelerate reads it on resume)."""
         if self._device_state is not None:
             return self._device_state.scale.device.type
-        return self._device_type or "cpu"
+        return self._config.device or "cpu"
 
     def _lazy_init_scale_growth_tracker(self, dev: str | torch.device) -> None:
         """Put the state on ``dev`` now rather than at the first :meth:`scale` (torch's private
@@ -898,7 +520,7 @@ class ShardedGradScaler:
                 device = torch.device(
                     device.type, torch.get_device_module(device.type).current_device()
                 )
-            self._device_state = DeviceState.create(self._initial, device)
+            self._device_state = DeviceState.create(self._host, device)
 
     def _get_growth_tracker(self) -> int:
         return self._read_state().scale.growth_tracker if self._enabled else 0
@@ -928,9 +550,9 @@ class ShardedGradScaler:
 
         Torch's keys (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
         ``_growth_tracker``) keep their meaning, so ``torch.amp.GradScaler`` loads it; ours add
-        ``hysteresis``, ``_hysteresis_tracker``, ``min_scale``, ``max_scale``, ``dynamic``,
-        ``steps``, ``skipped_steps`` and ``consecutive_skips``. With ``state_dict`` and
-        :meth:`load_state_dict` the scaler is a ``torch.distributed.checkpoint`` Stateful.
+        the hysteresis settings, floor and ceiling, the counters and ``format_version``
+        (docs/checkpoints.md lists them). With ``state_dict`` and :meth:`load_state_dict` the
+        scaler is a ``torch.distributed.checkpoint`` Stateful.
         """
         if not self._enabled:
             return {}
@@ -950,14 +572,14 @@ class ShardedGradScaler:
         if not self._enabled:
             return
         state = parse_state_dict(state_dict, self.policy)
-        self._initial = state
+        self._host = state
         self._steps = state.counters.steps
-        self._loss_scale = None
+        self._book.loss_scale = None  # the next loss takes the loaded scale
         if self._device_state is not None:
             self._device_state.write(state)
 
     def __getstate__(self) -> dict[str, Any]:
-        if self._records:
+        if self._book.records:
             raise RuntimeError(
                 "A GradScaler instance may only be pickled at the beginning "
                 "of an iteration, or at the end after scaler.update()."
@@ -967,27 +589,11 @@ class ShardedGradScaler:
                 "a ShardedGradScaler bound to an explicit process_group cannot be pickled "
                 "(process groups cannot be); save state_dict() instead"
             )
-        return {
-            "device_type": self._device_type,
-            "enabled": self._enabled,
-            "state": self._read_state() if self._enabled else self._initial,
-            "sync_timeout": self._agreement.timeout,
-            "verify_every": self._verify_every,
-            "max_consecutive_skips": self._reporter.max_consecutive_skips,
-            "locate_overflow": self._locate_overflow,
-        }
+        state = self._read_state() if self._enabled else self._host
+        return {"config": self._config, "enabled": self._enabled, "state": state}
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
-        agreement = Agreement(None, pickled["sync_timeout"])
-        self._setup(
-            pickled["device_type"],
-            pickled["enabled"],
-            agreement,
-            pickled["state"],
-            pickled["verify_every"],
-            pickled["max_consecutive_skips"],
-            pickled["locate_overflow"],
-        )
+        self._setup(pickled["config"], pickled["enabled"], pickled["state"])
 
     # ------------------------------------------------------------------ internals
 
@@ -998,16 +604,16 @@ class ShardedGradScaler:
 
     def _ensure_state(
         self, funcname: str, source: Iterable[torch.optim.Optimizer] | list[torch.Tensor]
-    ) -> None:
-        """Give a rank that never called ``scale()`` its state, where its gradients are.
+    ) -> DeviceState:
+        """The state on its device; a rank that never called ``scale()`` gets it now.
 
         In a pipeline only the last stage computes a loss; the others never call ``scale()``,
         yet hold the same scale (every rank does) and must check, step and update with the
-        rest. Alone in its group, a rank without a scale raises torch's error instead: nobody
-        else can have scaled its loss.
+        rest: their state goes where their gradients are. Alone in its group, a rank without a
+        scale raises torch's error instead: nobody else can have scaled its loss.
         """
         if self._device_state is not None:
-            return
+            return self._device_state
         if self._agreement.world_size == 1:
             raise RuntimeError(no_scale_message(funcname))
         items = list(source)
@@ -1016,125 +622,11 @@ class ShardedGradScaler:
             if items and not isinstance(items[0], torch.Tensor)
             else items
         )
-        self._device_state = DeviceState.create(self._initial, grads_device(params))  # type: ignore[arg-type]
-        self._scale_unconfirmed = True
-
-    def _begin(
-        self, optimizer: torch.optim.Optimizer, funcname: str
-    ) -> tuple[_OptimizerRecord, torch.Tensor]:
-        """This iteration's record for ``optimizer``, and the scale its losses were given."""
-        scale = self._require_state(funcname).scale
-        record = self._records.get(id(optimizer))
-        if record is None:
-            record = _OptimizerRecord(optimizer, step=self._steps + 1)
-            self._records[id(optimizer)] = record
-        return record, scale
-
-    def _end(self, record: _OptimizerRecord) -> None:
-        """Called after unscale_() or step() finished with ``record`` (a hook for subclasses)."""
-
-    def _take_clipped(self, record: _OptimizerRecord) -> bool:
-        """Adopt ``clip_grad_norm_``'s unscale and flag if it covered this optimizer's grads."""
-        clipped = self._clipped
-        if clipped is None or record.stage is not _Stage.READY:
-            return False
-        with torch._C.DisableTorchFunctionSubclass():  # DTensor .grad: 0.1 us, not 0.25
-            mine = {id(p) for p in optimizer_params(record.optimizer) if p.grad is not None}
-        if mine <= clipped.param_ids:
-            record.found_inf = clipped.found_inf
-            record.stage = _Stage.UNSCALED
-            self._locate_if_overflowed(clipped.found_inf, [record])
-            return True
-        if mine & clipped.param_ids:
-            raise RuntimeError(
-                "clip_grad_norm_() unscaled some, but not all, of this optimizer's gradients: "
-                "pass every parameter of the optimizers it precedes (e.g. model.parameters())"
-            )
-        return False
-
-    def _check_and_agree(
-        self,
-        to_unscale: list[_OptimizerRecord],
-        to_check: list[_OptimizerRecord],
-        scale: torch.Tensor,
-        funcname: str,
-    ) -> None:
-        """Check (and unscale) the records' gradients, then agree on ONE flag for all of them.
-
-        ``to_unscale``'s gradients are divided by the scale in place (their stage becomes
-        UNSCALED); ``to_check``'s are only checked (fused optimizers unscale them in their own
-        kernel). Every record gets the agreed ``found_inf``. On a rank that never called
-        ``scale()`` nothing is modified until the group has confirmed that some rank did.
-        """
-        confirm = funcname if self._scale_unconfirmed else None
-        inv_scale = _inverse(scale)
-        pending, self._pending = self._pending, None
-        earlier = pending.records if pending is not None else []
-        records = to_unscale + to_check + earlier
-        with torch.no_grad():
-            unscaling = self._grad_cache.walk(
-                ("unscale", *(id(r.optimizer) for r in to_unscale)),
-                (p for record in to_unscale for p in optimizer_params(record.optimizer)),
-            )
-            checking = self._grad_cache.walk(
-                ("check", *(id(r.optimizer) for r in to_check)),
-                (p for record in to_check for p in optimizer_params(record.optimizer)),
-            )
-            unscale_groups = unscaling.kernel_groups()
-            holds = unscaling.holds or checking.holds or (pending is not None and pending.holds)
-            ballot = self._agreement.ballot(scale.device, holds_grads=holds, has_scale=not confirm)
-            inverse = None if confirm else inv_scale
-            flags = check_and_unscale_(unscale_groups, inverse, ballot.flags())
-            flags = check_and_unscale_(checking.kernel_groups(), None, flags)
-            verdict = self._agreement.agree(
-                ballot,
-                [*flags.values(), *(pending.flags if pending is not None else ())],
-                device=scale.device,
-                step=self._steps + 1,
-                confirm_scale=confirm,
-            )
-            if confirm:  # the group confirmed that some rank scaled: unscale now
-                self._scale_unconfirmed = False
-                multiply_(unscale_groups, inv_scale)
-        for record in records:
-            record.found_inf = verdict.found_inf
-        for record in to_unscale:
-            record.stage = _Stage.UNSCALED
-        self._locate_if_overflowed(verdict.found_inf, records)
-
-    def _locate_if_overflowed(
-        self, found_inf: torch.Tensor, records: list[_OptimizerRecord]
-    ) -> None:
-        """With ``locate_overflow``: on an overflow step, find and log the non-finite grads."""
-        if not (self._locate_overflow and found_inf.item()):  # every rank reads the same flag
-            return
-        self._last_overflow = locate(
-            (pair for record in records for pair in optimizer_named_params(record.optimizer)),
-            self._agreement.process_group,
-        )
-        logger.warning(
-            "step %d overflowed; non-finite gradients at: %s",
-            records[0].step,
-            "; ".join(map(str, self._last_overflow)) or "(none: already cleared)",
-        )
-
-    def _warn_if_at_floor(self) -> None:
-        """Warn, once, when the scale has backed off to ``min_scale`` and cannot go lower."""
-        if self._warned_at_floor or self._device_state is None or not self.policy.dynamic:
-            return
-        device_state = self._device_state
-        if device_state.scale.item() <= self.policy.min_scale and device_state.counters[1] > 0:
-            self._warned_at_floor = True
-            warnings.warn(
-                f"the loss scale has backed off to min_scale={self.policy.min_scale} (by step "
-                f"{self._steps}) and cannot go lower: steps that still "
-                "overflow are skipped and the scale holds. Gradients that are non-finite even "
-                "at this scale usually mean a NaN/inf in the model or the loss.",
-                ShardScaleWarning,
-                stacklevel=3,
-            )
+        self._device_state = DeviceState.create(self._host, grads_device(params))  # type: ignore[arg-type]
+        self._stepper.scale_unconfirmed = True
+        return self._device_state
 
     def _read_state(self) -> ScalerState:
         if self._device_state is None:
-            return self._initial
+            return self._host
         return self._device_state.read(self.policy)

@@ -110,7 +110,7 @@ def _rank_fsdp2_train(rank: int, world_size: int, even: bool, set_to_none: bool)
             scaler.update()
         results[name] = [p.to_local().detach().clone() for p in model.parameters()]
         if name == "ours":  # did the check take whole buffers?
-            layouts = scaler._grad_cache._layouts.values()
+            layouts = scaler._stepper._cache._layouts.values()
             flat = any(
                 isinstance(entry, tuple)
                 for layout in layouts

@@ -32,9 +32,6 @@ from shardscale import ScalePolicy, ScaleState
         ({"min_scale": -1.0}, ValueError, r"min_scale .* got -1.0"),
         ({"max_scale": 0.5}, ValueError, r"max_scale must be >= min_scale \(1.0\) or inf, got 0.5"),
         ({"max_scale": math.nan}, ValueError, r"max_scale .* got nan"),
-        ({"init_scale": math.inf}, ValueError, r"init_scale must be finite, got inf"),
-        ({"init_scale": 0.5}, ValueError, r"init_scale must be in \[min_scale, max_scale\]"),
-        ({"init_scale": 2.0**20, "max_scale": 2.0**16}, ValueError, r"init_scale must be in"),
         ({"dynamic": 1}, TypeError, r"dynamic must be a bool, got int"),
     ],
 )
@@ -45,10 +42,26 @@ def test_policy_bad_setting_raises_rule_and_value(
         ScalePolicy(**changes)  # type: ignore[arg-type]
 
 
-def _random_policy(rng: random.Random) -> ScalePolicy:
+@pytest.mark.parametrize(
+    ("settings", "init_scale", "error", "match"),
+    [
+        ({}, math.inf, ValueError, r"init_scale must be finite, got inf"),
+        ({}, 0.5, ValueError, r"init_scale must be in \[min_scale, max_scale\]"),
+        ({"max_scale": 2.0**16}, 2.0**20, ValueError, r"init_scale must be in"),
+        ({}, "8", TypeError, r"init_scale must be a float, got str"),
+    ],
+)
+def test_policy_initial_state_bad_scale_raises_rule_and_value(
+    settings: dict[str, object], init_scale: object, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        ScalePolicy(**settings).initial_state(init_scale)  # type: ignore[arg-type]
+
+
+def _random_policy(rng: random.Random) -> tuple[float, ScalePolicy]:
     max_scale = rng.choice([math.inf, 2.0**20, 3e38])
-    return ScalePolicy(
-        init_scale=min(max_scale, rng.choice([1.0, 3.0, 2.0**16, 3e38])),
+    init_scale = min(max_scale, rng.choice([1.0, 3.0, 2.0**16, 3e38]))
+    return init_scale, ScalePolicy(
         growth_factor=rng.choice([2.0, 1.5, 1.1, 3.0]),
         backoff_factor=rng.choice([0.5, 0.7, 0.3, 0.25]),
         growth_interval=rng.randint(1, 4),
@@ -63,8 +76,8 @@ def test_policy_update_matches_reference_bit_for_bit() -> None:
     """Both device paths (hysteresis 1: torch's kernel; else tensor maths) equal ``next``."""
     for trial in range(300):
         rng = random.Random(trial)
-        policy = _random_policy(rng)
-        state = policy.initial_state()
+        init_scale, policy = _random_policy(rng)
+        state = policy.initial_state(init_scale)
         scale = torch.tensor(state.scale)
         growth = torch.tensor(0, dtype=torch.int32)
         hysteresis = torch.tensor(state.hysteresis_tracker, dtype=torch.int32)
@@ -77,8 +90,8 @@ def test_policy_update_matches_reference_bit_for_bit() -> None:
 
 
 def test_policy_hysteresis_tolerates_then_backs_off_and_replenishes_on_growth() -> None:
-    policy = ScalePolicy(init_scale=64.0, growth_interval=2, hysteresis=3)
-    state = policy.initial_state()
+    policy = ScalePolicy(growth_interval=2, hysteresis=3)
+    state = policy.initial_state(64.0)
     scales = []
     for found_inf in [True, True, True, True, False, False, True]:
         state = policy.next(state, found_inf)
@@ -89,8 +102,8 @@ def test_policy_hysteresis_tolerates_then_backs_off_and_replenishes_on_growth() 
 
 
 def test_policy_floor_and_ceiling_hold() -> None:
-    policy = ScalePolicy(init_scale=4.0, growth_interval=1, min_scale=2.0, max_scale=16.0)
-    state = policy.initial_state()
+    policy = ScalePolicy(growth_interval=1, min_scale=2.0, max_scale=16.0)
+    state = policy.initial_state(4.0)
     for _ in range(5):
         state = policy.next(state, True)
     assert state.scale == 2.0
@@ -100,12 +113,12 @@ def test_policy_floor_and_ceiling_hold() -> None:
 
 
 def test_policy_never_grows_to_inf() -> None:
-    policy = ScalePolicy(init_scale=3e38, growth_interval=1)
-    assert policy.next(policy.initial_state(), False).scale == pytest.approx(3e38)
+    policy = ScalePolicy(growth_interval=1)
+    assert policy.next(policy.initial_state(3e38), False).scale == pytest.approx(3e38)
 
 
 def test_policy_static_never_moves() -> None:
-    policy = ScalePolicy(init_scale=1.0, dynamic=False, growth_interval=1)
-    state = policy.initial_state()
+    policy = ScalePolicy(dynamic=False, growth_interval=1)
+    state = policy.initial_state(1.0)
     for found_inf in [True, False, False, True]:
         assert policy.next(state, found_inf) == state

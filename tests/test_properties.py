@@ -16,12 +16,12 @@ _BACKOFFS = st.floats(min_value=0.05, max_value=0.95)
 
 
 @st.composite
-def policies(draw: st.DrawFn) -> ScalePolicy:
+def policies(draw: st.DrawFn) -> tuple[ScalePolicy, float]:
+    """A policy, and an initial scale it accepts."""
     min_scale = draw(st.sampled_from([2.0**-10, 1.0, 3.0]))
     max_scale = draw(st.sampled_from([math.inf, 2.0**20, 3e38]))
     init_scale = draw(st.floats(min_value=min_scale, max_value=min(max_scale, 2.0**30)))
     return ScalePolicy(
-        init_scale=init_scale,
         growth_factor=draw(_FACTORS),
         backoff_factor=draw(_BACKOFFS),
         growth_interval=draw(st.integers(1, 6)),
@@ -29,15 +29,16 @@ def policies(draw: st.DrawFn) -> ScalePolicy:
         min_scale=min_scale,
         max_scale=max_scale,
         dynamic=draw(st.booleans()),
-    )
+    ), init_scale
 
 
 @settings(max_examples=150, deadline=None)
-@given(policy=policies(), overflows=st.lists(st.booleans(), max_size=60))
+@given(drawn=policies(), overflows=st.lists(st.booleans(), max_size=60))
 def test_property_device_update_equals_reference(
-    policy: ScalePolicy, overflows: list[bool]
+    drawn: tuple[ScalePolicy, float], overflows: list[bool]
 ) -> None:
-    state = policy.initial_state()
+    policy, init_scale = drawn
+    state = policy.initial_state(init_scale)
     scale = torch.tensor(state.scale)
     growth = torch.tensor(state.growth_tracker, dtype=torch.int32)
     hysteresis = torch.tensor(state.hysteresis_tracker, dtype=torch.int32)
@@ -49,19 +50,19 @@ def test_property_device_update_equals_reference(
 
 
 @settings(max_examples=150, deadline=None)
-@given(policy=policies(), overflows=st.lists(st.booleans(), max_size=30))
+@given(drawn=policies(), overflows=st.lists(st.booleans(), max_size=30))
 def test_property_reference_hysteresis_one_equals_torch(
-    policy: ScalePolicy, overflows: list[bool]
+    drawn: tuple[ScalePolicy, float], overflows: list[bool]
 ) -> None:
     """Where the floor and ceiling are not reached, hysteresis 1 is torch's policy exactly."""
+    settings, init_scale = drawn
     policy = ScalePolicy(
-        init_scale=policy.init_scale,
-        growth_factor=policy.growth_factor,
-        backoff_factor=policy.backoff_factor,
-        growth_interval=policy.growth_interval,
+        growth_factor=settings.growth_factor,
+        backoff_factor=settings.backoff_factor,
+        growth_interval=settings.growth_interval,
         min_scale=2.0**-100,
     )
-    state = policy.initial_state()
+    state = policy.initial_state(init_scale)
     scale, growth = torch.tensor(state.scale), torch.tensor(0, dtype=torch.int32)
     for found_inf in overflows:
         state = policy.next(state, found_inf)
@@ -110,9 +111,11 @@ def test_property_state_dict_round_trips_ours_and_through_torch(
         ours.scale(torch.tensor(1.0))
     ours.load_state_dict(state)
     # float32 is what the scale tensor holds; everything else is exact
+    # a dict without format_version is the first format's: it loads, and saves as the newest
     expected = {
         **state,
         "scale": torch.tensor(state["scale"]).item() if materialized else state["scale"],
+        "format_version": 1,
     }
     assert ours.state_dict() == expected
     theirs = torch.amp.GradScaler("cpu")

@@ -1,4 +1,4 @@
-"""The scaler's checkpointable state: building, validating and reading ``state_dict``\\ s.
+"""The scaler's checkpoint format: building, validating and reading ``state_dict``\\ s.
 
 Invariant: a state dict is either loaded whole or not at all. ``parse_state_dict`` validates
 every key and value, and the relations between them, before the scaler changes anything.
@@ -6,9 +6,14 @@ every key and value, and the relations between them, before the scaler changes a
 Compatibility, both ways: our state dict carries torch's five keys with torch's meanings
 (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``_growth_tracker``),
 which is all ``torch.amp.GradScaler.load_state_dict`` reads; ours adds the hysteresis settings,
-the floor and ceiling, ``dynamic`` and the step counters. A torch state dict has none of our keys
-and loads with our current settings, a full hysteresis allowance and zeroed counters; a dict with
-only some of our keys is rejected as damaged.
+the floor and ceiling, ``dynamic``, the step counters and ``format_version``. A torch state dict
+has none of our keys and loads with our current settings, a full hysteresis allowance and zeroed
+counters.
+
+Versions: each format version has its own set of our keys, all required (a dict with only some of
+them is damaged). Version 1 added ``format_version`` itself; a dict without it is version 0
+(shardscale 0.1's), and still loads. A later version that adds a key keeps every older one
+loading, with that key's default; a dict from a newer shardscale than this one is refused.
 
 All values are Python numbers, identical on every rank, so ``torch.distributed.checkpoint``
 stores one copy and loads it at any world size.
@@ -16,7 +21,6 @@ stores one copy and loads it at any world size.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -26,17 +30,13 @@ import torch
 
 from shardscale._policy import ScalePolicy, ScaleState
 
-__all__ = [
-    "Counters",
-    "DeviceState",
-    "ScalerState",
-    "parse_state_dict",
-    "to_state_dict",
-    "unpack",
-]
+__all__ = ["FORMAT_VERSION", "Counters", "ScalerState", "parse_state_dict", "to_state_dict"]
+
+FORMAT_VERSION = 1
+"""The version ``state_dict()`` writes."""
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-OUR_KEYS = (
+_V0_KEYS = (
     "hysteresis",
     "_hysteresis_tracker",
     "min_scale",
@@ -47,6 +47,8 @@ OUR_KEYS = (
     "consecutive_skips",
     "last_overflow_step",
 )
+OUR_KEYS_BY_VERSION: dict[int, tuple[str, ...]] = {0: _V0_KEYS, 1: (*_V0_KEYS, "format_version")}
+"""Our keys in each format version: all of them, or none (a torch state dict)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,102 +74,6 @@ class ScalerState:
     counters: Counters
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceState:
-    """The scale state as tensors on the loss's device, where the hot path updates it.
-
-    Kept on the device so that ``update()`` needs no host synchronisation; read back to host
-    values only for ``state_dict()`` and ``get_scale()``.
-    """
-
-    scale: torch.Tensor
-    """float32 scalar."""
-    growth_tracker: torch.Tensor
-    """int32 scalar."""
-    hysteresis_tracker: torch.Tensor
-    """int32 scalar."""
-    counters: torch.Tensor
-    """float64 ``[steps, skipped_steps, consecutive_skips, steps_since_overflow]`` (exact to
-    2**53 steps). The last slot, rather than the last overflow's step number, because it
-    updates with the same multiply-add as the others."""
-
-    @classmethod
-    def create(cls, state: ScalerState, device: torch.device) -> DeviceState:
-        """Tensors on ``device`` holding ``state``."""
-        device_state = cls(
-            scale=torch.empty((), dtype=torch.float32, device=device),
-            growth_tracker=torch.empty((), dtype=torch.int32, device=device),
-            hysteresis_tracker=torch.empty((), dtype=torch.int32, device=device),
-            counters=torch.zeros(4, dtype=torch.float64, device=device),
-        )
-        device_state.write(state)
-        return device_state
-
-    def write(self, state: ScalerState) -> None:
-        """Overwrite the tensors in place with ``state`` (keeping their identity)."""
-        self.scale.fill_(state.scale.scale)
-        self.growth_tracker.fill_(state.scale.growth_tracker)
-        self.hysteresis_tracker.fill_(state.scale.hysteresis_tracker)
-        counters = state.counters
-        since = counters.steps - counters.last_overflow_step
-        values = (counters.steps, counters.skipped_steps, counters.consecutive_skips, since)
-        self.counters.copy_(torch.tensor(values, dtype=torch.float64))
-
-    def count_step_(self, found_inf: torch.Tensor) -> None:
-        """Count one step, skipped if ``found_inf`` (exactly 0.0 or 1.0), without a host sync.
-
-        Counted on the device, not the host, so the counts stay right when step+update is
-        replayed from a CUDA graph. In two kernels: with s = found_inf,
-        ``rows = base + s * slope`` gives ``[[1, 1, s, 1 - s], [1, s, s, 1 - s]]``, then
-        ``counters = counters * rows[0] + rows[1]``.
-        """
-        base, slope = _count_constants(self.counters.device)
-        rows = torch.addcmul(base, found_inf, slope)
-        torch.addcmul(rows[1], self.counters, rows[0], out=self.counters)
-
-    def packed(self) -> torch.Tensor:
-        """``[scale, growth_tracker, hysteresis_tracker, *counters]`` as one float64 tensor.
-
-        One host read then gets everything (``read``, and the step reports).
-        """
-        return torch.cat(
-            (
-                self.scale.double().reshape(1),
-                self.growth_tracker.double().reshape(1),
-                self.hysteresis_tracker.double().reshape(1),
-                self.counters,
-            )
-        )
-
-    def read(self, policy: ScalePolicy) -> ScalerState:
-        """The state as host values: one host read (a synchronisation on an accelerator)."""
-        scale, counters = unpack(self.packed().tolist())
-        return ScalerState(policy=policy, scale=scale, counters=counters)
-
-
-def unpack(values: list[float]) -> tuple[ScaleState, Counters]:
-    """The host values of ``DeviceState.packed()``."""
-    scale, growth, hysteresis, steps, skipped, consecutive, since = values
-    counters = Counters(
-        steps=int(steps),
-        skipped_steps=int(skipped),
-        consecutive_skips=int(consecutive),
-        last_overflow_step=int(steps - since) if skipped else 0,
-    )
-    scale_state = ScaleState(
-        scale=scale, growth_tracker=int(growth), hysteresis_tracker=int(hysteresis)
-    )
-    return scale_state, counters
-
-
-@functools.cache
-def _count_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The constant rows of ``DeviceState.count_step_``, made once per device."""
-    base = torch.tensor([[1, 1, 0, 1], [1, 0, 0, 1]], dtype=torch.float64, device=device)
-    slope = torch.tensor([[0, 0, 1, -1], [0, 1, 1, -1]], dtype=torch.float64, device=device)
-    return base, slope
-
-
 def to_state_dict(state: ScalerState) -> dict[str, Any]:
     """The state as a flat dict of Python numbers, torch's keys first."""
     policy = state.policy
@@ -186,6 +92,7 @@ def to_state_dict(state: ScalerState) -> dict[str, Any]:
         "skipped_steps": state.counters.skipped_steps,
         "consecutive_skips": state.counters.consecutive_skips,
         "last_overflow_step": state.counters.last_overflow_step,
+        "format_version": FORMAT_VERSION,
     }
 
 
@@ -224,17 +131,21 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> Sca
             "from a disabled instance of GradScaler."
         )
     keys = set(state_dict)
-    unknown = sorted(str(k) for k in keys - set(TORCH_KEYS) - set(OUR_KEYS))
+    version = _version(state_dict)
+    our_keys = OUR_KEYS_BY_VERSION[version]
+    known = {*TORCH_KEYS, *our_keys}
+    unknown = sorted(str(k) for k in keys - known)
     if unknown:
         raise ValueError(
-            f"state_dict has unknown key(s) {unknown}; expected {list(TORCH_KEYS + OUR_KEYS)}"
+            f"state_dict has unknown key(s) {unknown} for format version {version}; expected "
+            f"{sorted(known)}"
         )
     missing = [k for k in TORCH_KEYS if k not in keys]
     if missing:
         raise ValueError(f"state_dict is missing required key(s) {missing}")
-    ours_present = [k for k in OUR_KEYS if k in keys]
-    if ours_present and len(ours_present) != len(OUR_KEYS):
-        absent = [k for k in OUR_KEYS if k not in keys]
+    ours_present = [k for k in our_keys if k in keys]
+    if ours_present and len(ours_present) != len(our_keys):
+        absent = [k for k in our_keys if k not in keys]
         raise ValueError(
             f"state_dict has some of shardscale's keys but not {absent}: it is damaged "
             "(a torch scaler's state dict has none of them, ours has all)"
@@ -271,10 +182,7 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> Sca
                 for key in ("steps", "skipped_steps", "consecutive_skips", "last_overflow_step")
             }
         )
-    # ScalePolicy validates the settings; the scale itself is checked by check_state below, so
-    # until then init_scale holds a placeholder every valid policy accepts: its own floor.
-    floor = policy_changes.get("min_scale", current.min_scale)
-    policy = replace(current, init_scale=floor, **policy_changes)
+    policy = replace(current, **policy_changes)  # ScalePolicy validates the settings
     scale_state = ScaleState(
         scale=scale,
         growth_tracker=growth_tracker,
@@ -296,6 +204,17 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> Sca
             f"[1, steps]; got last_overflow_step={counters.last_overflow_step}, "
             f"skipped_steps={counters.skipped_steps}, steps={counters.steps}"
         )
-    return ScalerState(
-        policy=replace(policy, init_scale=scale), scale=scale_state, counters=counters
-    )
+    return ScalerState(policy=policy, scale=scale_state, counters=counters)
+
+
+def _version(state_dict: Mapping[str, Any]) -> int:
+    """The format version of ``state_dict``: its ``format_version``, 0 without one."""
+    if "format_version" not in state_dict:
+        return 0
+    version: int = _number("format_version", state_dict["format_version"], int)
+    if version not in OUR_KEYS_BY_VERSION:
+        raise ValueError(
+            f"state_dict['format_version'] must be one of {sorted(OUR_KEYS_BY_VERSION)}, got "
+            f"{version}: a newer shardscale saved it"
+        )
+    return version
