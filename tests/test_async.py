@@ -18,7 +18,8 @@ from shardscale import AsyncShardedGradScaler, ScalePolicy, ShardedGradScaler
 from tests.harness import run_ranks
 
 ITERATIONS = 150
-POLICY = {"init_scale": 2.0**10, "growth_interval": 3, "min_scale": 2.0**-4}
+POLICY = {"growth_interval": 3, "min_scale": 2.0**-4}
+INIT_SCALE = 2.0**10
 
 
 def _inputs(iteration: int, rank: int) -> torch.Tensor:
@@ -38,7 +39,7 @@ def _rank_async(rank: int, world_size: int, flavour: str) -> dict[str, Any]:
     weights = torch.ones(32, requires_grad=True)  # the compute copy: d(loss)/d(w) = x * S
     master = torch.zeros(32, requires_grad=True)  # the optimizer's copy
     optimizer = torch.optim.SGD([master], lr=1.0, **({"fused": True} if flavour == "fused" else {}))
-    scaler = AsyncShardedGradScaler(**POLICY)
+    scaler = AsyncShardedGradScaler(init_scale=INIT_SCALE, **POLICY)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     rng = random.Random(rank)
     scales: list[float] = []
@@ -101,7 +102,7 @@ def _rank_async(rank: int, world_size: int, flavour: str) -> dict[str, Any]:
 def _synchronous_scales() -> tuple[list[float], list[bool]]:
     """The scales and skips synchronous training would have, from the policy's definition."""
     policy = ScalePolicy(**POLICY)
-    state, scales, skips = policy.initial_state(), [], []
+    state, scales, skips = policy.initial_state(INIT_SCALE), [], []
     for iteration in range(ITERATIONS):
         scales.append(state.scale)
         overflow = bool(_overflows(iteration))
@@ -200,3 +201,40 @@ def test_async_scale_before_step_is_the_first_iterations_scale() -> None:
     scaler.update()
     assert scaler.get_scale() == 2.0**16
     assert scaler.stats.steps == 1
+
+
+def _rank_async_on_a_subgroup(rank: int, world_size: int) -> dict[str, Any]:
+    """Ranks {0, 1} and {2, 3}, each pair with its own async scaler: the scaler's own group is
+    made by the pair alone (no rank outside it joins), and each pair agrees within itself."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = pairs[rank // 2]
+    scaler = AsyncShardedGradScaler(init_scale=8.0, process_group=group)
+    weights = torch.ones(4, requires_grad=True)  # the compute copy
+    master = torch.zeros(4, requires_grad=True)  # the optimizer thread's copy
+    optimizer = torch.optim.SGD([master], lr=0.1)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    futures = []
+    for iteration in range(4):
+        scaler.scale(weights.sum()).backward()
+        grad, weights.grad = weights.grad, None
+        assert grad is not None
+        if iteration == 1 and rank == 0:  # only the first pair overflows
+            grad[0] = math.inf
+
+        def step(grad: torch.Tensor = grad) -> None:
+            master.grad = grad
+            scaler.step(optimizer)
+
+        futures.append(pool.submit(step))
+        scaler.update()
+    for future in futures:
+        future.result(timeout=60)
+    pool.shutdown()
+    state = scaler.state_dict()
+    return {"skipped": state["skipped_steps"], "scale": state["scale"]}
+
+
+def test_async_scaler_on_a_subgroup_makes_its_group_with_the_subgroup_alone() -> None:
+    results = run_ranks(_rank_async_on_a_subgroup, 4, timeout_s=120)
+    assert results[:2] == [{"skipped": 1, "scale": 4.0}] * 2
+    assert results[2:] == [{"skipped": 0, "scale": 8.0}] * 2

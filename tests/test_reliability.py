@@ -104,3 +104,29 @@ def test_reliability_arguments_are_validated(
 ) -> None:
     with pytest.raises(error, match=match):
         ShardedGradScaler(**kwargs)
+
+
+def _rank_locate_with_a_rank_missing(rank: int, world_size: int) -> str:
+    """find_nonfinite_grads gathers through the agreement: bounded by its timeout too."""
+    from shardscale import find_nonfinite_grads
+
+    model = mlp()
+    model(torch.ones(1, 16)).sum().backward()
+    if rank == 1:
+        time.sleep(15)  # never arrives in time
+        return "slept"
+    started = time.monotonic()
+    try:
+        find_nonfinite_grads(model, timeout=1.0)
+    except ShardScaleDistributedError as error:
+        return f"{time.monotonic() - started:.1f} s: {error}"
+    return "no error"
+
+
+def test_locate_overflow_gather_is_bounded_by_the_timeout() -> None:
+    rank0, rank1 = run_ranks(_rank_locate_with_a_rank_missing, 2, timeout_s=60)
+    assert rank1 == "slept"
+    seconds, message = rank0.split(" s: ", 1)
+    assert float(seconds) < 10
+    assert "non-finite gradient records" in message
+    assert "never arrived" in message

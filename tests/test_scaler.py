@@ -457,6 +457,21 @@ _GOOD = ShardedGradScaler(init_scale=8.0, growth_interval=4, hysteresis=2).state
             r"last_overflow_step'\] must be 0 when no step was skipped.*got last_overflow_step=1",
         ),
         ([("scale", 1.0)], TypeError, r"state_dict must be a mapping, got list"),
+        (
+            {**_GOOD, "format_version": 2},
+            ValueError,
+            r"format_version'\] must be one of \[0, 1\], got 2: a newer shardscale saved it",
+        ),
+        (
+            {k: v for k, v in _GOOD.items() if k != "format_version"} | {"new_key": 1},
+            ValueError,
+            r"unknown key\(s\) \['new_key'\] for format version 0",
+        ),
+        (
+            {k: v for k, v in _GOOD.items() if k != "hysteresis"},
+            ValueError,
+            r"some of shardscale's keys but not \['hysteresis'\]",
+        ),
     ],
 )
 def test_load_bad_state_dict_raises_and_leaves_scaler_unchanged(
@@ -469,6 +484,18 @@ def test_load_bad_state_dict_raises_and_leaves_scaler_unchanged(
         scaler.load_state_dict(state)
     assert scaler.state_dict() == before
     assert scaler.get_growth_interval() == 3
+
+
+def test_state_dict_is_versioned_and_the_first_format_still_loads() -> None:
+    """shardscale 0.1 saved no format_version (format 0): its checkpoints keep loading."""
+    scaler = ShardedGradScaler(init_scale=16.0, growth_interval=3, hysteresis=2)
+    _overflow_steps(scaler, [False, True, False])
+    saved = scaler.state_dict()
+    assert saved["format_version"] == 1
+    old = {k: v for k, v in saved.items() if k != "format_version"}
+    loaded = ShardedGradScaler(hysteresis=2)
+    loaded.load_state_dict(old)
+    assert loaded.state_dict() == saved
 
 
 def test_pickle_and_deepcopy_keep_state() -> None:
