@@ -72,6 +72,9 @@ class Stepper:
         # This rank's state was made by a step, not by scale(): until the group confirms that
         # some rank scales, its gradients are checked but not modified.
         self.scale_unconfirmed = False
+        # Whether this scaler has been through an agreement: every rank passes its first at the
+        # same collective, so "defer unscale_'s agreement" is decided alike everywhere.
+        self._agreed_once = False
         self._warned_plain_replicas = False
 
     # ------------------------------------------------------------------ unscale_ and step
@@ -83,7 +86,10 @@ class Stepper:
         leaves = [leaf for item in steppables(target) for leaf in item.leaves]
         to_check, adopted = book.begin_unscale(leaves)
         self._locate_adopted(book, adopted)
-        if to_check and (self.scale_unconfirmed or not self._defers):
+        # Deferred only once the scaler has agreed before: on its first step a pipeline stage
+        # that never scaled must agree before it modifies anything, and every rank must then
+        # issue the same collectives, whichever stage it holds.
+        if to_check and not (self._defers and self._agreed_once):
             self._check_and_agree(book, to_check, [], scale, "unscale_")
         elif to_check:
             self._check_locally(book, to_check, scale)
@@ -201,6 +207,7 @@ class Stepper:
             if confirm:  # the group confirmed that some rank scaled: unscale now
                 self.scale_unconfirmed = False
                 multiply_(unscale_groups, inv_scale)
+        self._agreed_once = True
         for record in to_unscale:
             record.stage = Stage.UNSCALED
         book.agreed(records, verdict.found_inf)
@@ -292,6 +299,7 @@ class Stepper:
                 norm_type=norm_type,
             )
             self.scale_unconfirmed = self.scale_unconfirmed and confirm is None
+            self._agreed_once = True
             assert verdict.total_norm is not None
             apply_(groups, max_norm, verdict.total_norm, None if scale is None else inv_scale)
         if pending is not None and book is not None:

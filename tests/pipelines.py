@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardscale._grads import local_grad
+
 BLOCKS = 4
 WIDTH = 16
 MICROBATCHES = 4
@@ -182,7 +184,7 @@ def plant(pipeline: Pipeline, value: float) -> None:
         grad = param.grad
         if grad is None:
             continue
-        local = grad._local_tensor if isinstance(grad, DTensor) else grad
+        local = local_grad(grad)
         if local.numel():
             local.view(-1)[0] = value
             return

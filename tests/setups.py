@@ -172,7 +172,11 @@ def step_and_report(scaler: Any, optimizer: torch.optim.Optimizer) -> dict[str, 
 
 
 def local_grad_values(param: torch.Tensor) -> torch.Tensor | None:
-    """The gradient elements this rank holds for ``param`` (None if it holds none)."""
+    """The gradient elements this rank holds for ``param``, writable in place (None if none).
+
+    Not :func:`shardscale._grads.local_grad`: that coalesces an uncoalesced sparse gradient
+    into a copy, and a value planted in a copy would never reach the scaler.
+    """
     grad = param.grad
     if grad is None:
         return None

@@ -193,23 +193,33 @@ def test_clip_overflow_on_one_rank_is_nonfinite_and_skipped_everywhere(
 
 
 def _rank_unscale_then_clip(rank: int, world_size: int, planted: bool) -> dict[str, Any]:
+    """Two steps in torch's order: unscale_, clip, step, update; the second may overflow.
+
+    The first step's unscale_ agrees at once (a scaler's first agreement is never deferred),
+    so it costs 2; from then on unscale_ checks locally and its check rides in the clip's
+    collective, so a step costs 1.
+    """
     setup = build("fsdp2", "for-loop", world_size)
     scaler = ShardedGradScaler(init_scale=SCALE)
-    scaler.scale(setup.loss(0, rank)).backward()
-    if planted and rank == 1:
-        plant(setup.optimizer, math.inf)
-    expected = torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(g / SCALE) for g in _full_grads(setup.model)])
-    ).item()
-    with count_collectives() as counts:
-        scaler.unscale_(setup.optimizer)  # local: its check rides in the clip's collective
-        norm = scaler.clip_grad_norm_(setup.model.parameters(), 1e-3)  # must not unscale again
-        scaler.step(setup.optimizer)
-        scaler.update()
+    collectives = []
+    for step in range(2):
+        setup.optimizer.zero_grad()
+        scaler.scale(setup.loss(step, rank)).backward()
+        if planted and step == 1 and rank == 1:
+            plant(setup.optimizer, math.inf)
+        expected = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g / SCALE) for g in _full_grads(setup.model)])
+        ).item()
+        with count_collectives() as counts:
+            scaler.unscale_(setup.optimizer)
+            norm = scaler.clip_grad_norm_(setup.model.parameters(), 1e-3)  # must not unscale again
+            scaler.step(setup.optimizer)
+            scaler.update()
+        collectives.append(sum(counts.values()))
     return {
         "norm": norm.item(),
         "expected": expected,
-        "collectives": sum(counts.values()),
+        "collectives": collectives,
         "skipped": scaler.last_step_skipped,
         "scale": scaler.get_scale(),
     }
@@ -218,7 +228,7 @@ def _rank_unscale_then_clip(rank: int, world_size: int, planted: bool) -> dict[s
 def test_clip_after_unscale_costs_one_collective_in_torchs_order() -> None:
     for result in run_ranks(_rank_unscale_then_clip, 2, False):
         assert result["norm"] == pytest.approx(result["expected"], rel=1e-5)
-        assert result["collectives"] == 1
+        assert result["collectives"] == [2, 1]
         assert not result["skipped"]
 
 
@@ -227,7 +237,7 @@ def test_clip_after_unscale_overflow_on_one_rank_skips_everywhere() -> None:
         assert not math.isfinite(result["norm"])
         assert result["skipped"]
         assert result["scale"] == SCALE / 2
-        assert result["collectives"] == 1
+        assert result["collectives"] == [2, 1]
 
 
 def _rank_unscale_then_update(rank: int, world_size: int) -> dict[str, Any]:

@@ -229,3 +229,29 @@ def test_world_of_one_without_scale_raises_before_touching_gradients() -> None:
     with pytest.raises(RuntimeError, match=r"Attempted step but _scale is None"):
         scaler.step(torch.optim.SGD(model.parameters(), lr=0.1))
     assert torch.equal(model.weight.grad, before)  # type: ignore[arg-type]
+
+
+def _rank_torch_order_in_a_pipeline(rank: int, world_size: int) -> list[dict[str, Any]]:
+    """unscale_ -> clip_grad_norm_ -> step on every stage, from the first step on: the stage
+    that never scaled and the last stage issue the same collectives (else they would hang)."""
+    scaler = ShardedGradScaler(init_scale=SCALE)
+    pipeline = pipelines.build("pp", "1f1b", scaler, rank, world_size)
+    optimizer = torch.optim.SGD(pipeline.parameters(), lr=0.01)
+    steps = []
+    for step in range(3):
+        optimizer.zero_grad()
+        pipeline.run(step, scaler)
+        with count_collectives() as counts:
+            scaler.unscale_(optimizer)
+            norm = scaler.clip_grad_norm_(pipeline.parameters(), 1e-3, replica_group=1)
+            scaler.step(optimizer)
+            scaler.update()
+        steps.append({"collectives": dict(counts), "norm": norm.item()})
+    return steps
+
+
+def test_pipeline_torch_order_issues_the_same_collectives_on_every_stage() -> None:
+    first, last = run_ranks(_rank_torch_order_in_a_pipeline, 2, timeout_s=120)
+    assert first == last  # same collectives, same norms
+    # the first step agrees inside unscale_ (a stage that never scaled must), later ones not
+    assert [sum(s["collectives"].values()) for s in first] == [2, 1, 1]
