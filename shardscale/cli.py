@@ -58,7 +58,7 @@ def _read(path: Path, keys: list[str]) -> dict[str, Any]:
 def inspect_checkpoint(path: Path) -> dict[str, Any]:
     """The scaler states and optimizer step counters stored in the checkpoint at ``path``.
 
-    ``path`` may also be a folder of checkpoints (``step_NNNNNN/``, as ``launch/train.py``
+    ``path`` may also be a folder of checkpoints (``step_NNNNNN/``, as ``launch/job/train.py``
     writes them): the newest complete one is read.
 
     Returns:

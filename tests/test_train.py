@@ -27,7 +27,7 @@ from shardscale.cli import main as shardscale_cli
 pytestmark = [pytest.mark.torchrun, pytest.mark.xdist_group("torchrun")]
 
 ROOT = Path(__file__).resolve().parent.parent
-TRAIN = str(ROOT / "launch" / "train.py")
+TRAIN = str(ROOT / "launch" / "job" / "train.py")
 # Small and quick; an inf planted in rank 1's shard at steps 3 and 6.
 JOB = [
     "--steps",
@@ -58,8 +58,10 @@ def torchrun(
     check: bool = True,
     script: str = TRAIN,
     timeout: float = 240,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` (the example job by default) under torchrun on ``nproc`` local ranks."""
+    """Run ``script`` (the example job by default) under torchrun on ``nproc`` local ranks,
+    with ``env`` added to the environment (the job's injected faults)."""
     launcher = launcher or ["--standalone"]
     command = [
         sys.executable,
@@ -72,7 +74,12 @@ def torchrun(
         *args,
     ]
     result = subprocess.run(
-        command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
+        command,
+        cwd=ROOT,
+        env={**_env(), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     if check and result.returncode != 0:
         raise AssertionError(
@@ -99,10 +106,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         str(checkpoints),
         "--checkpoint-every",
         "2",
-        "--exit-after",
-        "4",
         "--summary-json",
         str(folder / "first.json"),
+        env={"SHARDSCALE_TEST_EXIT_AFTER": "4"},
     )
     resumed = torchrun(
         2,
@@ -326,16 +332,13 @@ def test_train_rank_killed_torchrun_restarts_and_resumes_intact(
         str(tmp_path / "ckpt"),
         "--checkpoint-every",
         "2",
-        "--fail-at-step",
-        "5",
-        "--fail-rank",
-        "1",
         "--summary-json",
         str(summary_path),
+        env={"SHARDSCALE_TEST_KILL": "5:1"},
         launcher=["--standalone", "--max-restarts", "1"],
     )
     output = result.stdout + result.stderr  # torchrun() has checked the exit status
-    assert "rank 1: killed at step 5" in output
+    assert "rank 1: killed at step 5 (SHARDSCALE_TEST_KILL)" in output
     assert f"resumed from {tmp_path / 'ckpt' / 'step_000004'} at step 4" in output
     summary, full = _summary(summary_path), runs["full"]
     assert summary["ranks_agree"] is True
@@ -357,7 +360,12 @@ def pipeline_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     full = torchrun(2, *PIPELINE_JOB, "--summary-json", str(folder / "full.json"))
     saving = ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "2"]
     torchrun(
-        2, *PIPELINE_JOB, *saving, "--exit-after", "4", "--summary-json", str(folder / "a.json")
+        2,
+        *PIPELINE_JOB,
+        *saving,
+        "--summary-json",
+        str(folder / "a.json"),
+        env={"SHARDSCALE_TEST_EXIT_AFTER": "4"},
     )
     torchrun(2, *PIPELINE_JOB, *saving, "--resume", "--summary-json", str(folder / "b.json"))
     return {

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 from shardscale import count_collectives
+from shardscale._grads import local_grad
 from shardscale.integrations.lightning import TrainerPrecision
 
 
@@ -75,11 +76,11 @@ class Module(L.LightningModule):
     def on_after_backward(self) -> None:
         if self.global_step + 1 == self.inject_at and self.global_rank == 1:
             grad = self.net[0].weight.grad
-            (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = math.inf
+            local_grad(grad).view(-1)[0] = math.inf
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         grad = self.net[2].weight.grad
-        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        local = local_grad(grad)
         self.seen["grad_absmax"] = float(local.abs().max())
 
     def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:

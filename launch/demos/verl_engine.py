@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardscale._grads import local_grad
+
 VOCAB = 128
 
 
@@ -210,7 +212,7 @@ def plant(engine: Any, value: float) -> None:
         grad = param.grad
         if grad is None:
             continue
-        local = grad._local_tensor if hasattr(grad, "_local_tensor") else grad
+        local = local_grad(grad)
         if local.numel():
             local.view(-1)[0] = value
             return

@@ -1,6 +1,6 @@
 """Soak: thousands of steps, random infs/NaNs in random ranks' shards, zero divergences allowed.
 
-    torchrun --standalone --nproc-per-node 2 launch/soak.py --steps 5000 --json runs/soak.json
+    torchrun --standalone --nproc-per-node 2 launch/job/soak.py --steps 5000 --json runs/soak.json
 
 Every ``--segment`` steps the run switches to a random gradient kind (plain, DDP, FSDP1 flat,
 FSDP1 with original parameters, FSDP2) and optimizer flavour (for-loop, foreach, fused), drawn

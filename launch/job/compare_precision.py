@@ -1,6 +1,6 @@
 """Fidelity: fp32 against fp16 with shardscale and fp16 without loss scaling.
 
-    python launch/compare_precision.py --plot runs/precision.png --json runs/precision.json
+    python launch/job/compare_precision.py --plot runs/precision.png --json runs/precision.json
 
 Trains the example job three times on the same seed and data: fp32, fp16 with
 ``shardscale.ShardedGradScaler``, and fp16 without scaling. Reports each run's final training and
@@ -11,7 +11,7 @@ it is underflow), as a table and a plot. Target: fp16 with shardscale within 1 %
 The loss is divided by ``--loss-divisor`` (default 4096), as when it is averaged over that many
 times more tokens: a large global batch or gradient accumulation, where fp16 underflow bites.
 AdamW's eps is divided alike, so fp32 training is unchanged (Adam is scale-invariant): only the
-fp16 runs feel where their gradients now lie. Extra arguments go to ``launch/train.py``.
+fp16 runs feel where their gradients now lie. Extra arguments go to ``launch/job/train.py``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Two replicas of one model, a fused AdamW, and an inf in rank 1's gradients only.
 ``ShardedGradScaler`` reduces ``found_inf`` in ``unscale_()``, which the fused path of ``step()``
 never calls: rank 1 skips, rank 0 steps, and their scales and weights part ways.
 
-    torchrun --standalone --nproc-per-node 2 launch/divergence.py
+    torchrun --standalone --nproc-per-node 2 launch/demos/divergence.py
 """
 
 from __future__ import annotations

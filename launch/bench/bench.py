@@ -2,7 +2,7 @@
 
 Run on 2 ranks (gloo on CPU, NCCL on GPUs; picked automatically):
 
-    torchrun --standalone --nproc-per-node 2 launch/bench.py
+    torchrun --standalone --nproc-per-node 2 launch/bench/bench.py
 
 Two FSDP2 workloads: (a) 20 M parameters in 8 tensors, (b) 2 M parameters in 400 tensors. The
 optimizer is a no-op, so only the scaler is timed: ``step()`` + ``update()`` (and, in the clip
@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 from shardscale import ShardedGradScaler, count_collectives
+from shardscale._grads import local_grad
 
 WORKLOADS = {
     "a: 20M params / 8 tensors": (8, 2_500_000),
@@ -82,7 +83,7 @@ class Tensors(nn.Module):
 
 
 def _local_grads(model: nn.Module) -> list[torch.Tensor]:
-    return [p.grad._local_tensor for p in model.parameters()]  # type: ignore[union-attr]
+    return [local_grad(p.grad) for p in model.parameters() if p.grad is not None]
 
 
 def _renew_grads(model: nn.Module) -> None:

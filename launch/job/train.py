@@ -1,6 +1,6 @@
 """The example job: a small GPT-style language model trained in fp16 with shardscale.
 
-    torchrun --standalone --nproc-per-node 2 launch/train.py            # 2 CPU ranks (gloo)
+    torchrun --standalone --nproc-per-node 2 launch/job/train.py            # 2 CPU ranks (gloo)
     bash launch/run.sh --steps 200 --plot runs/train.png                # the same, via the launcher
 
 It trains on the standard library's docstrings (no download), under FSDP2 by default (or FSDP1,
@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,14 +104,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--checkpoint-dir", type=Path, help="where sharded checkpoints go")
     add("--checkpoint-every", type=int, default=0, help="save every K steps (0: only at the end)")
     add("--resume", action="store_true", help="continue from the newest checkpoint")
-    add("--exit-after", type=int, help="stop after this step, as if interrupted")
-    add(
-        "--fail-at-step",
-        type=int,
-        help="kill --fail-rank at this step on the first attempt "
-        "(fault injection: shows a torchrun restart resuming from the last checkpoint)",
-    )
-    add("--fail-rank", type=int, default=0, help="the rank --fail-at-step kills")
     add("--inject-inf-every", type=int, default=0, help="plant an inf every K steps (0: never)")
     add("--inject-rank", type=int, default=0, help="the rank whose gradient gets the inf")
     add("--eval-batches", type=int, default=8, help="held-out batches for the final eval loss")
@@ -125,6 +118,38 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     _check_args(parser, args)
     return args
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Faults the test suite injects through the environment; not options of the job.
+
+    ``SHARDSCALE_TEST_EXIT_AFTER=K`` stops after step K, as if the job were interrupted;
+    ``SHARDSCALE_TEST_KILL=STEP:RANK`` SIGKILLs RANK at STEP on torchrun's first attempt (a
+    restart then resumes from the last checkpoint).
+    """
+
+    exit_after: int | None = None
+    kill_step: int | None = None
+    kill_rank: int = 0
+
+    @classmethod
+    def from_environment(cls) -> Faults:
+        exit_after = os.environ.get("SHARDSCALE_TEST_EXIT_AFTER")
+        kill = os.environ.get("SHARDSCALE_TEST_KILL")
+        kill_step, kill_rank = (None, 0)
+        if kill:
+            step, _, rank = kill.partition(":")
+            if not (step.isdigit() and rank.isdigit()):
+                raise SystemExit(f"SHARDSCALE_TEST_KILL must be STEP:RANK, got {kill!r}")
+            kill_step, kill_rank = int(step), int(rank)
+        if exit_after is not None and not exit_after.isdigit():
+            raise SystemExit(f"SHARDSCALE_TEST_EXIT_AFTER must be a step, got {exit_after!r}")
+        return cls(
+            exit_after=None if exit_after is None else int(exit_after),
+            kill_step=kill_step,
+            kill_rank=kill_rank,
+        )
 
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -201,7 +226,7 @@ def _init_distributed() -> torch.device:
         )
     elif "RANK" in os.environ:
         dist.init_process_group(backend, device_id=device_id)
-    else:  # plain `python launch/train.py`: a group of one, so every code path is the same
+    else:  # plain `python launch/job/train.py`: a group of one, so every code path is the same
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return device
 
@@ -413,7 +438,8 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     history: list[dict[str, Any]] = []
     tokens_per_step = args.batch_size * args.seq_len * data_ranks
     started = time.perf_counter()
-    stop = args.steps if args.exit_after is None else min(args.steps, args.exit_after)
+    faults = Faults.from_environment()
+    stop = args.steps if faults.exit_after is None else min(args.steps, faults.exit_after)
     # Host-side copies, so the loop reads the device once per step (the new scale), not more.
     scale = scaler.get_scale()
     skipped_total = scaler.state_dict().get("skipped_steps", 0)
@@ -429,8 +455,8 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             global_loss = loss.detach().double()
             dist.all_reduce(global_loss)
             global_loss /= world_size
-        if args.fail_at_step == step + 1 and rank == args.fail_rank and not restart:
-            print(f"rank {rank}: killed at step {step + 1} (--fail-at-step)", flush=True)
+        if faults.kill_step == step + 1 and rank == faults.kill_rank and not restart:
+            print(f"rank {rank}: killed at step {step + 1} (SHARDSCALE_TEST_KILL)", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if (
             args.inject_inf_every

@@ -1,6 +1,6 @@
 """Time each phase of the scaler's step, to see where its cost above the floor goes.
 
-    torchrun --standalone --nproc-per-node 2 launch/bench_phases.py
+    torchrun --standalone --nproc-per-node 2 launch/bench/bench_phases.py
 
 On the 400-tensor FSDP2 workload of ``bench.py``, gradients kept and fresh: the gradient walk,
 the check kernel, the agreement (its all-reduce beside a bare one), the counters and policy, and
