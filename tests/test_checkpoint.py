@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
 
 from shardscale import ShardedGradScaler
 from tests.harness import run_ranks
@@ -88,3 +89,40 @@ def test_dcp_torch_scaler_checkpoint_loads_both_ways(tmp_path: Path) -> None:
             "growth_interval": 7,
             "_growth_tracker": 0,
         }
+
+
+class _FormatZero:
+    """A Stateful that saves ``scaler`` as shardscale 0.1 did: without ``format_version``."""
+
+    def __init__(self, scaler: ShardedGradScaler) -> None:
+        self.scaler = scaler
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.scaler.state_dict().items() if k != "format_version"}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise AssertionError("only saved")
+
+
+def _rank_format_zero_checkpoint(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    old = ShardedGradScaler(init_scale=2.0**9, growth_interval=3, hysteresis=2)
+    old.scale(torch.tensor(1.0))
+    dcp.save({"scaler": _FormatZero(old)}, checkpoint_id=folder)
+    strict_error = ""
+    try:
+        dcp.load({"scaler": ShardedGradScaler()}, checkpoint_id=folder)
+    except CheckpointException as error:  # DCP's, a BaseException, wraps each rank's failure
+        strict_error = str(error)
+    new = ShardedGradScaler(init_scale=1.0)
+    dcp.load(
+        {"scaler": new}, checkpoint_id=folder, planner=DefaultLoadPlanner(allow_partial_load=True)
+    )
+    return {"old": old.state_dict(), "new": new.state_dict(), "strict_error": strict_error}
+
+
+def test_dcp_format_zero_checkpoint_loads_with_a_partial_load(tmp_path: Path) -> None:
+    """docs/checkpoints.md: a checkpoint without format_version needs allow_partial_load."""
+    for result in run_ranks(_rank_format_zero_checkpoint, 2, str(tmp_path / "v0")):
+        assert "format_version" in result["strict_error"]
+        assert result["new"] == result["old"]
+        assert result["new"]["format_version"] == 1

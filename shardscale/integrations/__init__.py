@@ -4,5 +4,5 @@ Import the one you use; each imports its framework, which shardscale itself neve
 ``shardscale.integrations.lightning`` (Fabric and Trainer precision plugins),
 ``shardscale.integrations.accelerate`` (accelerate, and the transformers/TRL Trainer),
 ``shardscale.integrations.verl`` (verl's FSDP engine). Frameworks that call torch's scaler
-protocol and nothing more need no adapter: set the scaler (docs/integrations.md).
+protocol and nothing more need no adapter: set the scaler (docs/index.md, the frameworks table).
 """
