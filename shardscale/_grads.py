@@ -244,24 +244,41 @@ class GradWalk:
 class _ReplicaMemo:
     """Each parameter's replica count, kept while the parameter and its gradient's layout stay.
 
-    A layout is fixed for a job (FSDP2 hands out gradients with the same spec object every
-    step); hashing meshes and placements for hundreds of parameters each step is not free.
+    A layout is fixed for a job; computing it from meshes and placements for hundreds of
+    parameters each step is not free. The layout is recognised by its mesh (the same object)
+    and placements (equal): FSDP2 hands out each step's gradients with the same spec object,
+    but code that builds gradients with ``DTensor.from_local`` makes a new, equal one each time.
     """
 
     def __init__(self) -> None:
-        self._memo: dict[int, tuple[weakref.ref[torch.Tensor], object, int, int, bool]] = {}
+        self._memo: dict[int, tuple[weakref.ref[torch.Tensor], object, object, int, int, bool]] = {}
 
     def get(self, param: torch.Tensor, grad: torch.Tensor, plain_replicas: int) -> tuple[int, bool]:
         """``(replica_count(param, plain_replicas), whether the gradient is a plain tensor)``."""
-        spec = grad._spec if isinstance(grad, DTensor) else None
+        mesh, placements = (
+            (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else (None, None)
+        )
         hit = self._memo.get(id(param))
-        if hit is not None and hit[0]() is param and hit[1] is spec and hit[2] == plain_replicas:
-            return hit[3], hit[4]
+        if (
+            hit is not None
+            and hit[0]() is param
+            and hit[1] is mesh
+            and hit[2] == placements
+            and hit[3] == plain_replicas
+        ):
+            return hit[4], hit[5]
         replicas = replica_count(param, plain_replicas)
-        plain = spec is None and not (
+        plain = mesh is None and not (
             getattr(param, "_is_flat_param", False) or getattr(param, "_fsdp_flattened", False)
         )
-        self._memo[id(param)] = (weakref.ref(param), spec, plain_replicas, replicas, plain)
+        self._memo[id(param)] = (
+            weakref.ref(param),
+            mesh,
+            placements,
+            plain_replicas,
+            replicas,
+            plain,
+        )
         return replicas, plain
 
 

@@ -199,3 +199,27 @@ def test_clip_norm_of_large_scaled_fp32_gradients_does_not_overflow(norm_type: f
     assert norm == pytest.approx(expected, rel=1e-5)
     assert not scaler.last_step_skipped
     assert scaler.get_scale() == scale
+
+
+def _rank_replica_counts_follow_the_gradients_layout(rank: int, world_size: int) -> list[int]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    param = nn.Parameter(DTensor.from_local(torch.zeros(4), mesh, [Shard(0)]))
+    cache = GradCache()
+    counts = []
+    # a new, equal spec each time (DTensor.from_local); the placements change in the middle
+    for placement in (Shard(0), Shard(0), Replicate(), Replicate(), Shard(0)):
+        local = torch.ones(4 if isinstance(placement, Shard) else 4 * world_size)
+        param.grad = DTensor.from_local(local, mesh, [placement])
+        groups, plain = cache.walk("k", [param]).norm_groups(plain_replicas=world_size)
+        assert not plain
+        ((_device, _dtype, replicas),) = groups
+        counts.append(replicas)
+    return counts
+
+
+def test_replica_counts_are_remembered_per_layout_and_follow_a_changed_one() -> None:
+    for counts in run_ranks(_rank_replica_counts_follow_the_gradients_layout, 2):
+        assert counts == [1, 1, 2, 2, 1]
