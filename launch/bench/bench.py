@@ -87,14 +87,14 @@ def _local_grads(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _renew_grads(model: nn.Module) -> None:
-    """New gradient tensors, views of the same buffer: what FSDP2 hands over each step."""
+    """New gradient tensors, views of the same buffer, as FSDP2 hands them over each step:
+    new DTensors around new views, with the parameter's one sharding spec object
+    (``FSDPParam.to_sharded_dtensor``)."""
     for param in model.parameters():
         grad = param.grad
         assert isinstance(grad, DTensor)
         local = grad._local_tensor
-        param.grad = DTensor.from_local(
-            local.view(local.shape), grad.device_mesh, grad.placements, run_check=False
-        )
+        param.grad = DTensor(local.view(local.shape), grad._spec, requires_grad=False)
 
 
 def _time_once(prepare: Run | None, run: Run, device: torch.device) -> float:

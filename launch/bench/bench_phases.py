@@ -5,6 +5,8 @@
 On the 400-tensor FSDP2 workload of ``bench.py``, gradients kept and fresh: the gradient walk,
 the check kernel, the agreement (its all-reduce beside a bare one), the counters and policy, and
 the whole step+update. Each phase is timed on its own after a barrier; medians in ms, per rank.
+Then, on rank 0 alone, the check kernel beside a bare multiply over both workloads' shapes, per
+tensor and over one flat buffer, in fp32 and fp16: what the check itself costs above the floor.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -37,6 +40,33 @@ def _median_ms(
         if i >= 3:
             times.append(time.perf_counter() - start)
     return round(statistics.median(times) * 1e3, 3)
+
+
+def _kernel_ms(run: Callable[[], object], iterations: int = 30) -> float:
+    times = []
+    for i in range(iterations + 3):
+        start = time.perf_counter()
+        run()
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1e3, 3)
+
+
+def kernels() -> None:
+    """Median ms of the check-and-unscale kernel and of a bare multiply, one thread."""
+    one, cpu = torch.ones(()), torch.device("cpu")
+    for count, numel in ((8, 1_250_000), (400, 2_500)):
+        for dtype in (torch.float32, torch.float16):
+            grads = [torch.randn(numel).mul_(0.01).to(dtype) for _ in range(count)]
+            flat = torch.cat(grads)
+            per_tensor, whole = {(cpu, dtype): grads}, {(cpu, dtype): [flat]}
+            timings = {
+                "multiply, per tensor": _kernel_ms(partial(torch._foreach_mul_, grads, one)),
+                "check, per tensor": _kernel_ms(partial(check_and_unscale_, per_tensor, one)),
+                "multiply, flat": _kernel_ms(partial(flat.mul_, one)),
+                "check, flat": _kernel_ms(partial(check_and_unscale_, whole, one)),
+            }
+            print(f"kernels {count} x {numel} {dtype}: {timings}", flush=True)
 
 
 def main() -> None:
@@ -79,6 +109,9 @@ def main() -> None:
         }
         timings = {name: _median_ms(run, prepare) for name, run in phases.items()}
         print(f"rank {dist.get_rank()} gradients {mode}: {timings}", flush=True)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        kernels()
     dist.barrier()
     dist.destroy_process_group()
 
