@@ -3,12 +3,12 @@ gloo ranks, FSDP2 (``ModelParallelStrategy``) and DDP."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.demo_records import parse_records, per_rank
 from tests.test_train import ROOT, torchrun
 
 pytestmark = [pytest.mark.integration, pytest.mark.torchrun, pytest.mark.xdist_group("torchrun")]
@@ -16,29 +16,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.torchrun, pytest.mark.xdist_g
 DEMOS = ROOT / "launch" / "demos"
 
 
-def _records(stdout: str) -> list[dict[str, Any]]:
-    records = []
-    for line in stdout.splitlines():
-        for chunk in line.replace("}{", "}\n{").splitlines():
-            if chunk.startswith('{"rank"'):
-                records.append(json.loads(chunk))
-    return records
-
-
-def _per_rank(records: list[dict[str, Any]], key: str) -> dict[int, list[Any]]:
-    rows: dict[int, list[Any]] = {0: [], 1: []}
-    for record in sorted((r for r in records if "step" in r), key=lambda r: r["step"]):
-        rows[record["rank"]].append(record[key])
-    return rows
-
-
 def _check_skip_at_step_3(records: list[dict[str, Any]], collectives: list[int]) -> None:
-    skipped = _per_rank(records, "skipped")
+    skipped = per_rank(records, "skipped")
     assert skipped[0] == skipped[1] == [False, False, True, False, False]
-    scales = _per_rank(records, "scale")
+    scales = per_rank(records, "scale")
     assert scales[0] == scales[1] == [1024.0, 1024.0, 512.0, 512.0, 512.0]
     assert {r["compute_dtype"] for r in records if "step" in r} == {"torch.float16"}  # on a CPU
-    per_step = _per_rank(records, "collectives")
+    per_step = per_rank(records, "collectives")
     assert per_step[0] == per_step[1] == collectives
 
 
@@ -56,9 +40,9 @@ def test_lightning_fabric_fp16_skips_on_every_rank_and_checkpoints(
         str(tmp_path / "checkpoint"),
         script=str(DEMOS / "lightning_fabric.py"),
     )
-    records = _records(result.stdout)
+    records = parse_records(result.stdout)
     _check_skip_at_step_3(records, collectives=[1] * 5)
-    finite = _per_rank(records, "finite_norm")
+    finite = per_rank(records, "finite_norm")
     assert finite[0] == finite[1] == [True, True, False, True, True]
     assert [r["resumed_equal"] for r in records if "resumed_equal" in r] == [True, True]
 
@@ -69,7 +53,7 @@ def test_lightning_trainer_fp16_skips_holds_the_lr_and_resumes(
 ) -> None:
     script = str(DEMOS / "lightning_trainer.py")
     checkpoint = str(tmp_path / "checkpoint")
-    first = _records(
+    first = parse_records(
         torchrun(
             2, "--strategy", strategy, "--inject-inf-at", "3", "--save", checkpoint, script=script
         ).stdout
@@ -77,17 +61,17 @@ def test_lightning_trainer_fp16_skips_holds_the_lr_and_resumes(
     # The Trainer unscales before its hooks and clips: the first unscale_ agrees at once (2),
     # after which its check rides in the clip's collective (1).
     _check_skip_at_step_3(first, collectives=[2, 1, 1, 1, 1])
-    lrs = _per_rank(first, "lr")[0]
+    lrs = per_rank(first, "lr")[0]
     assert lrs[2] == lrs[1]  # held on the skipped step
     assert lrs[3] < lrs[2]
     # on_before_optimizer_step saw unscaled gradients (scaled, they would be ~1024x)
     assert max(r["grad_absmax_in_hook"] for r in first if "step" in r) < 1.0
-    resumed = _records(
+    resumed = parse_records(
         torchrun(
             2, "--strategy", strategy, "--steps", "7", "--resume", checkpoint, script=script
         ).stdout
     )
-    assert _per_rank(resumed, "step")[0] == [6, 7]
+    assert per_rank(resumed, "step")[0] == [6, 7]
     final = {r["rank"]: r["final"] for r in resumed if "final" in r}
     assert final[0] == final[1]
     assert (final[0]["steps"], final[0]["skipped_steps"], final[0]["last_overflow_step"]) == (

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -10,29 +9,13 @@ import pytest
 import torch
 from torch import nn
 
+from tests.demo_records import parse_records, per_rank
 from tests.test_train import ROOT, torchrun
 
 pytestmark = [pytest.mark.integration, pytest.mark.torchrun, pytest.mark.xdist_group("torchrun")]
 
 TRL_SFT = str(ROOT / "launch" / "demos" / "trl_sft.py")
 ACCELERATE_FP16 = str(ROOT / "launch" / "demos" / "accelerate_fp16.py")
-
-
-def _records(stdout: str) -> list[dict[str, Any]]:
-    """The JSON lines the ranks printed (two ranks may print on one line)."""
-    records = []
-    for line in stdout.splitlines():
-        for chunk in line.replace("}{", "}\n{").splitlines():
-            if chunk.startswith('{"rank"'):
-                records.append(json.loads(chunk))
-    return records
-
-
-def _per_rank(records: list[dict[str, Any]], key: str) -> dict[int, list[Any]]:
-    rows: dict[int, list[Any]] = {0: [], 1: []}
-    for record in sorted((r for r in records if "step" in r), key=lambda r: r["step"]):
-        rows[record["rank"]].append(record[key])
-    return rows
 
 
 def _final(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -43,13 +26,13 @@ def test_trl_sft_fused_adamw_skip_is_reported_and_the_lr_holds(tmp_path: Path) -
     result = torchrun(
         2, "--steps", "5", "--inject-inf-at", "2", "--output-dir", str(tmp_path), script=TRL_SFT
     )
-    records = _records(result.stdout)
+    records = parse_records(result.stdout)
     assert all(r["fused"] for r in records if "fused" in r)  # the Trainer's default optimizer
-    skipped = _per_rank(records, "skipped")
+    skipped = per_rank(records, "skipped")
     assert skipped[0] == skipped[1] == [False, False, True, False, False]
-    scales = _per_rank(records, "scale")
+    scales = per_rank(records, "scale")
     assert scales[0] == scales[1] == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0]
-    lrs = _per_rank(records, "lr")[0]
+    lrs = per_rank(records, "lr")[0]
     assert lrs[2] == lrs[1]  # the skipped step did not advance the schedule
     assert lrs[3] < lrs[2]
     final = _final(records)
@@ -62,7 +45,7 @@ def test_trl_sft_checkpoint_resumes_the_scaler_exactly(tmp_path: Path) -> None:
     optimizer state to args.device, "cpu:0", which torch.load refuses); the scaler's state is
     the same on every rank, and this is the Trainer's own save/restore of it."""
     job = ["--steps", "4", "--inject-inf-at", "1", "--inject-rank", "0"]
-    full = _records(
+    full = parse_records(
         torchrun(1, *job, "--output-dir", str(tmp_path / "full"), script=TRL_SFT).stdout
     )
     torchrun(
@@ -79,7 +62,7 @@ def test_trl_sft_checkpoint_resumes_the_scaler_exactly(tmp_path: Path) -> None:
     checkpoint = tmp_path / "cut" / "checkpoint-2"
     saved = torch.load(checkpoint / "scaler.pt", weights_only=True)
     assert (saved["steps"], saved["skipped_steps"], saved["last_overflow_step"]) == (2, 1, 2)
-    resumed = _records(
+    resumed = parse_records(
         torchrun(
             1,
             *job,
@@ -91,13 +74,13 @@ def test_trl_sft_checkpoint_resumes_the_scaler_exactly(tmp_path: Path) -> None:
         ).stdout
     )
     assert _final(resumed) == _final(full)
-    assert _per_rank(resumed, "scale")[0] == _per_rank(full, "scale")[0][2:]
+    assert per_rank(resumed, "scale")[0] == per_rank(full, "scale")[0][2:]
 
 
 def test_accelerate_fp16_fused_adamw_skips_reported_scheduler_held_state_resumed(
     tmp_path: Path,
 ) -> None:
-    records = _records(
+    records = parse_records(
         torchrun(
             2,
             "--steps",
@@ -109,11 +92,11 @@ def test_accelerate_fp16_fused_adamw_skips_reported_scheduler_held_state_resumed
             script=ACCELERATE_FP16,
         ).stdout
     )
-    skipped = _per_rank(records, "skipped")
+    skipped = per_rank(records, "skipped")
     assert skipped[0] == skipped[1] == [False, False, True, False, False]
-    scales = _per_rank(records, "scale")
+    scales = per_rank(records, "scale")
     assert scales[0] == scales[1] == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0]
-    lrs = _per_rank(records, "lr")[0]
+    lrs = per_rank(records, "lr")[0]
     assert lrs[2] == lrs[1]  # held on the skipped step
     assert lrs[3] < lrs[2]
     assert {r["compute_dtype"] for r in records if "step" in r} == {"torch.float16"}  # a CPU
