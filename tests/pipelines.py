@@ -16,8 +16,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardscale._grads import local_grad
-
 BLOCKS = 4
 WIDTH = 16
 MICROBATCHES = 4
@@ -175,17 +173,3 @@ def global_norm(pipeline: Pipeline, scale: float, norm_type: float = 2.0) -> flo
     power /= pipeline.stage_ranks
     dist.all_reduce(power)
     return power.item() ** (1.0 / norm_type)
-
-
-@torch.no_grad()
-def plant(pipeline: Pipeline, value: float) -> None:
-    """Write ``value`` into one element of this rank's first local gradient."""
-    for param in pipeline.parameters():
-        grad = param.grad
-        if grad is None:
-            continue
-        local = local_grad(grad)
-        if local.numel():
-            local.view(-1)[0] = value
-            return
-    raise AssertionError("this rank holds no gradient element to plant a value in")

@@ -7,6 +7,7 @@ wrapped the way real jobs wrap it, and an optimizer of the asked flavour.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,7 +191,14 @@ def local_grad_values(param: torch.Tensor) -> torch.Tensor | None:
 @torch.no_grad()
 def plant(optimizer: torch.optim.Optimizer, value: float, *, last: bool = False) -> None:
     """Write ``value`` into one element of this rank's local gradient shard."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    plant_in([p for group in optimizer.param_groups for p in group["params"]], value, last=last)
+
+
+@torch.no_grad()
+def plant_in(params: Iterable[torch.Tensor], value: float, *, last: bool = False) -> None:
+    """Write ``value`` into one element of the first (``last``: the last) of ``params`` whose
+    gradient has an element on this rank."""
+    params = list(params)
     for param in reversed(params) if last else params:
         values = local_grad_values(param)
         if values is not None:

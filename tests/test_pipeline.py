@@ -15,6 +15,7 @@ import torch
 from shardscale import ShardedGradScaler, count_collectives
 from tests import pipelines
 from tests.harness import run_ranks
+from tests.setups import plant_in
 
 SCALE = 2.0**10
 OPTIMIZERS = {
@@ -49,7 +50,7 @@ def _rank_step(
         pipeline.run(step, scaler)
         expected = pipelines.global_norm(pipeline, scaler.get_scale())
         if step == 1 and plant_on == rank:
-            pipelines.plant(pipeline, value)
+            plant_in(pipeline.parameters(), value)
         before = [p.detach().clone() for p in pipeline.parameters()]
         with count_collectives() as counts:
             norm = (
