@@ -25,7 +25,7 @@ from shardscale._check import check_and_unscale_, multiply_
 from shardscale._clip import apply_, by_device_dtype, local_norms, norm_flags_exact
 from shardscale._devices import move
 from shardscale._errors import ShardScaleWarning
-from shardscale._grads import GradCache
+from shardscale._grads import GradCache, GradWalk
 from shardscale._iteration import Clipped, IterationBook, OptimizerRecord, Stage
 from shardscale._locate import NonFiniteGrad, locate, optimizer_named_params
 from shardscale._optimizers import Steppable, optimizer_params, steppables, takes_scale
@@ -151,14 +151,19 @@ class Stepper:
     ) -> None:
         """Unscale and check ``records``' gradients in place; leave the agreement pending."""
         with torch.no_grad():
-            walk = self._cache.walk(
-                ("unscale", *(id(r.optimizer) for r in records)),
-                (p for record in records for p in optimizer_params(record.optimizer)),
-            )
+            walk = self._walk("unscale", records)
             flags = check_and_unscale_(walk.kernel_groups(), inverse(scale))
         book.add_pending(records, flags.values(), walk.holds)
         for record in records:
             record.stage = Stage.UNSCALED
+
+    def _walk(self, purpose: str, records: list[OptimizerRecord]) -> GradWalk:
+        """The local gradients of ``records``' optimizers, their layout cached per purpose and
+        optimizer set (unscaled gradients and only-checked ones are never walked together)."""
+        return self._cache.walk(
+            (purpose, *(id(r.optimizer) for r in records)),
+            (p for record in records for p in optimizer_params(record.optimizer)),
+        )
 
     def _check_and_agree(
         self,
@@ -182,14 +187,8 @@ class Stepper:
         earlier = pending.records if pending is not None else []
         records = to_unscale + to_check + earlier
         with torch.no_grad():
-            unscaling = self._cache.walk(
-                ("unscale", *(id(r.optimizer) for r in to_unscale)),
-                (p for record in to_unscale for p in optimizer_params(record.optimizer)),
-            )
-            checking = self._cache.walk(
-                ("check", *(id(r.optimizer) for r in to_check)),
-                (p for record in to_check for p in optimizer_params(record.optimizer)),
-            )
+            unscaling = self._walk("unscale", to_unscale)
+            checking = self._walk("check", to_check)
             unscale_groups = unscaling.kernel_groups()
             holds = unscaling.holds or checking.holds or (pending is not None and pending.holds)
             ballot = self.agreement.ballot(scale.device, holds_grads=holds, has_scale=not confirm)
