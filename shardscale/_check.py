@@ -14,7 +14,7 @@ import functools
 import torch
 
 from shardscale._devices import move
-from shardscale._grads import GradGroups
+from shardscale._walk import GradGroups
 
 __all__ = ["Flags", "check_and_unscale_", "multiply_"]
 
@@ -28,7 +28,7 @@ def check_and_unscale_(
     """Multiply every gradient by ``inv_scale`` (if given) and flag the devices with inf/NaN.
 
     Args:
-        groups: local gradient tensors by (device, dtype), from ``collect_local_grads``.
+        groups: local gradient tensors by (device, dtype), from a ``GradWalk``.
         inv_scale: float32 scalar tensor, or None to check without unscaling.
         flags: flags to raise (the kernel only ever sets them to 1.0), so that several calls
             (gradients to unscale, gradients only to check) end with one flag per device. New

@@ -19,7 +19,7 @@ Two passes over the gradients, whatever the layout:
 2. read+write: multiply by ``inv_scale * clip_coef``, after the agreement.
 
 Both passes take FSDP2's flat gradient buffers whole where the gradients tile them
-(``_grads.GradWalk.norm_groups``): per-tensor norms cost ~8 us each on a CPU.
+(``_walk.GradWalk.norm_groups``): per-tensor norms cost ~8 us each on a CPU.
 
 Nothing is modified before the ranks have agreed.
 """
@@ -32,7 +32,7 @@ import torch
 
 from shardscale._check import Flags
 from shardscale._devices import move
-from shardscale._grads import GradGroups, NormKey
+from shardscale._walk import GradGroups, NormKey
 
 __all__ = ["NormGroups", "apply_", "by_device_dtype", "check_clip_args", "local_norms"]
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from shardscale import ShardedGradScaler
-from shardscale._grads import GradCache, _flat_layout
+from shardscale._walk import GradCache, _flat_layout
 from tests.harness import run_ranks
 
 

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import fully_shard
 
 from shardscale import ShardedGradScaler
 from shardscale._check import check_and_unscale_
-from shardscale._grads import GradCache
+from shardscale._walk import GradCache
 
 
 def _median_ms(
