@@ -3,10 +3,12 @@ the floor warning, located overflows.
 
 Invariant: reporting never adds a host synchronisation to the step. The numbers live on the
 device (``DeviceState``); after each ``update()`` they are packed into one small tensor and
-copied to the host. On the CPU that copy is the read. On an accelerator it is started without
-waiting (into pinned memory, with an event) and delivered at the next ``update()`` (or when
-:attr:`ShardedGradScaler.stats` is read), by when the device has long finished it: hooks, log
-lines and the ``max_consecutive_skips`` check then run one step late, and cost no sync.
+copied to the host. On the CPU that copy is the read. On a GPU it is started without waiting
+(into one of two pinned buffers taken in turn, on the current stream of the state's own device,
+with an event recorded there) and delivered at the next ``update()`` (or when
+``ShardedGradScaler.stats`` is read), by when the device has long finished it: hooks, log lines
+and the ``max_consecutive_skips`` check then run one step late, and cost no sync (the wait on
+the previous step's event lets the host run at most one step ahead while someone listens).
 
 Nobody listening (no hook, no limit, the ``"shardscale"`` logger below INFO) costs nothing.
 """
@@ -36,6 +38,11 @@ logger = logging.getLogger("shardscale")
 
 LOG_INTERVAL_S = 10.0
 """At most one skipped-step message per this many seconds; the next one counts the rest."""
+
+# Device types whose stats are copied without waiting, under a CUDA event. "meta" is the CPU
+# suite's stand-in for a GPU (its tests replace torch.cuda's events and streams with recorders),
+# so that this path runs in CI; other accelerators read at once (correct, one sync per update).
+_EVENT_DEVICE_TYPES = frozenset({"cuda", "meta"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +93,10 @@ class StepReporter:
         self.max_consecutive_skips = max_consecutive_skips
         # an OrderedDict: RemovableHandle holds a weak reference to it, which a dict refuses
         self._hooks: OrderedDict[int, StatsHook] = OrderedDict()
-        self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        # The step whose copy is in flight (delivered at the next push or flush), and the two
+        # pinned buffers (with their events) that the copies take in turn.
+        self._pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
+        self._buffers: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         self._last_logged = -float("inf")
         self._unlogged_skips = 0
         self._warned_at_floor = False
@@ -112,19 +122,39 @@ class StepReporter:
             self._pending = None
             return
         packed = state.packed()
-        if packed.device.type == "cpu":
+        if packed.device.type not in _EVENT_DEVICE_TYPES:
+            # The CPU (where the copy is the read), or an accelerator without CUDA's events,
+            # whose non-blocking copy nothing could wait for: read now.
             self.flush()
             self._deliver(stats_from(packed.tolist()))
             return
-        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        host.copy_(packed, non_blocking=True)
-        event = None
-        if packed.device.type == "cuda":
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()
+        host, event = self._free_buffer(packed)
+        # On the stream of the packed tensor's OWN device, not the current device's (which, on
+        # the async scaler's optimizer thread or without torch.cuda.set_device, is another
+        # GPU's): the copy and the event that covers it must be on the same stream.
+        with torch.cuda.device(packed.device):
+            host.copy_(packed, non_blocking=True)
+            event.record(torch.cuda.current_stream(packed.device))
         previous, self._pending = self._pending, (host, event)
         if previous is not None:
             self._deliver_pending(previous)
+
+    def _free_buffer(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """A pinned buffer and its event that no copy in flight uses: two, taken in turn.
+
+        A buffer is free once its step was delivered (its event waited for, its values read),
+        i.e. unless it is the pending one; so two suffice and no step allocates pinned memory.
+        """
+        pending = self._pending[0] if self._pending is not None else None
+        for pair in self._buffers:
+            if pair[0] is not pending and pair[0].shape == packed.shape:
+                return pair
+        pair = (
+            torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True),
+            torch.cuda.Event(),  # type: ignore[no-untyped-call]
+        )
+        self._buffers = [*(p for p in self._buffers if p[0] is pending), pair]
+        return pair
 
     def flush(self) -> None:
         """Deliver a step still in flight (waits for its copy)."""
@@ -132,10 +162,9 @@ class StepReporter:
         if pending is not None:
             self._deliver_pending(pending)
 
-    def _deliver_pending(self, pending: tuple[torch.Tensor, torch.cuda.Event | None]) -> None:
+    def _deliver_pending(self, pending: tuple[torch.Tensor, torch.cuda.Event]) -> None:
         host, event = pending
-        if event is not None:
-            event.synchronize()  # recorded a step ago: normally long complete
+        event.synchronize()  # recorded a step ago: normally long complete
         self._deliver(stats_from(host.tolist()))
 
     def _deliver(self, stats: ScalerStats) -> None:
@@ -178,15 +207,20 @@ class StepReporter:
         self._last_logged = now
         self._unlogged_skips = 0
 
-    def warn_if_at_floor(self, state: DeviceState, policy: ScalePolicy, steps: int) -> None:
+    def warn_if_at_floor(self, state: DeviceState, policy: ScalePolicy, steps: int) -> float:
         """Warn, once, when the scale has backed off to ``min_scale`` and cannot go lower.
 
-        Reads the scale (a host synchronisation on an accelerator: callers there only call it
-        where they read the device anyway).
+        Reads the scale and the skipped-step count in ONE host read (a synchronisation on an
+        accelerator: callers there only call it where they read the device anyway, and
+        ``get_scale()`` takes the scale it returns).
+
+        Returns:
+            The scale, as read.
         """
         if self._warned_at_floor or not policy.dynamic:
-            return
-        if state.scale.item() <= policy.min_scale and state.counters[1] > 0:
+            return float(state.scale.item())
+        scale, skipped = torch.stack((state.scale.double(), state.counters[1])).tolist()
+        if scale <= policy.min_scale and skipped > 0:
             self._warned_at_floor = True
             warnings.warn(
                 f"the loss scale has backed off to min_scale={policy.min_scale} (by step {steps}) "
@@ -196,6 +230,7 @@ class StepReporter:
                 ShardScaleWarning,
                 stacklevel=3,
             )
+        return float(scale)
 
 
 def log_located(step: int, located: list[NonFiniteGrad]) -> None:

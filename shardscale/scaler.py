@@ -487,13 +487,13 @@ class ShardedGradScaler:
         return list(self._stepper.last_overflow)
 
     def get_scale(self) -> float:
-        """Return the current scale (1.0 when disabled). Costs a host sync on an accelerator."""
+        """Return the current scale (1.0 when disabled). Costs ONE host sync on an accelerator
+        (the scale and the floor warning's skipped-step count come in one read)."""
         if not self._enabled:
             return 1.0
         if self._device_state is None:
             return self._host.scale.scale
-        self._reporter.warn_if_at_floor(self._device_state, self.policy, self._steps)
-        return float(self._device_state.scale.item())
+        return self._reporter.warn_if_at_floor(self._device_state, self.policy, self._steps)
 
     @property
     def _scale(self) -> torch.Tensor | None:

@@ -1,0 +1,271 @@
+"""The edges of the device path, run on a CPU: what a GPU would do, seen on ``meta`` and stubs.
+
+The scaler on the ``meta`` device takes every ``device.type != "cpu"`` branch; a dispatch mode
+counts what would synchronise the host (``_local_scalar_dense``) and every meta-to-CPU copy (and
+whether it blocks), and stands in for their values, which meta has none of. Where meta cannot go
+(CUDA events, streams, pinned memory) ``torch.cuda`` is replaced by recorders.
+
+Covered here: a fused optimizer over CPU parameters gets its scale and flag on the CPU, copied
+blocking (audit W3); the stats copy's event is recorded on the stream of the state's own device
+(M2) and reuses its pinned buffers (P7); ``get_scale`` reads the device once (P6);
+``last_step_skipped`` reads once after a fused step and never after a non-fused one; the
+accelerate integration reads the skip flag only when asked (P5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardscale import ShardedGradScaler
+
+aten = torch.ops.aten
+META = torch.device("meta")
+
+
+class _DeviceCounter(TorchDispatchMode):
+    """Counts host reads and meta-to-CPU copies, and answers them with ``value``.
+
+    Attributes:
+        reads: host reads of a meta tensor (``.item()``, ``.tolist()``, ``bool()``).
+        copies: meta-to-CPU copies, as ``non_blocking`` flags (False: the copy blocks).
+    """
+
+    def __init__(self, value: float = 0.0) -> None:
+        super().__init__()
+        self.value = value
+        self.reads = 0
+        self.copies: list[bool] = []
+        self.log: list[tuple[str, object]] = []
+
+    @property
+    def syncs(self) -> int:
+        """What stalls the host on a GPU: reads, and copies to the CPU that block."""
+        return self.reads + sum(not non_blocking for non_blocking in self.copies)
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is aten._local_scalar_dense.default and args[0].device == META:
+            self.reads += 1
+            return self.value if args[0].dtype.is_floating_point else int(self.value)
+        if func is aten._to_copy.default and args[0].device == META:
+            target = torch.device(kwargs.get("device") or META)
+            if target.type == "cpu":
+                self.copies.append(bool(kwargs.get("non_blocking", False)))
+                dtype = kwargs.get("dtype") or args[0].dtype
+                return torch.full(args[0].shape, self.value, dtype=dtype)
+        if func is aten.copy_.default and args[1].device == META and args[0].device.type == "cpu":
+            self.copies.append(bool(args[2] if len(args) > 2 else kwargs.get("non_blocking")))
+            self.log.append(("copy", self.value))
+            return args[0].fill_(self.value)
+        return func(*args, **kwargs)
+
+
+class _FusedSpy(torch.optim.Optimizer):
+    """What the scaler sees of a fused optimizer: it takes ``grad_scale`` and ``found_inf``.
+
+    Records, inside ``step()``, the devices of what it was handed.
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        super().__init__(params, {"lr": 0.1})
+        self.handed: list[tuple[torch.device, torch.device]] = []
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        assert grad_scale is not None
+        assert found_inf is not None
+        self.handed.append((grad_scale.device, found_inf.device))
+
+
+class _PlainSpy(torch.optim.Optimizer):
+    """What the scaler sees of a for-loop/foreach optimizer: it is stepped or skipped."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        return None
+
+
+def _params(device: torch.device) -> list[nn.Parameter]:
+    params = [nn.Parameter(torch.ones(s, device=device)) for s in [(8, 4), (8,)]]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    return params
+
+
+def _fused_cpu_params_step(scaler: ShardedGradScaler, optimizer: _FusedSpy) -> None:
+    scaler.scale(torch.ones((), device=META))
+    for p in optimizer.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    scaler.step(optimizer)
+    scaler.update()
+
+
+# ---------------------------------------------------------------- W3: fused over CPU parameters
+
+
+def test_step_fused_optimizer_over_cpu_params_gets_scale_and_flag_on_cpu_blocking() -> None:
+    optimizer = _FusedSpy(_params(torch.device("cpu")))
+    scaler = ShardedGradScaler()
+    with _DeviceCounter() as counter:
+        _fused_cpu_params_step(scaler, optimizer)  # warm-up: constants made once
+        counter.copies.clear()
+        _fused_cpu_params_step(scaler, optimizer)
+    cpu = torch.device("cpu")
+    assert optimizer.handed == [(cpu, cpu)] * 2
+    assert counter.copies == [False]  # ONE copy to the CPU per step, and it blocks
+
+
+def test_step_fused_optimizer_on_scale_device_gets_no_copy() -> None:
+    optimizer = _FusedSpy(_params(META))
+    scaler = ShardedGradScaler()
+    with _DeviceCounter() as counter:
+        for _ in range(2):
+            scaler.scale(torch.ones((), device=META))
+            scaler.step(optimizer)
+            scaler.update()
+    assert optimizer.handed == [(META, META)] * 2
+    assert counter.copies == []
+    assert counter.reads == 0
+
+
+def test_step_fused_optimizer_over_two_devices_gets_the_scale_device() -> None:
+    optimizer = _FusedSpy([*_params(META), *_params(torch.device("cpu"))])
+    scaler = ShardedGradScaler()
+    with _DeviceCounter():
+        scaler.scale(torch.ones((), device=META))
+        scaler.step(optimizer)
+    assert optimizer.handed == [(META, META)]
+
+
+# ---------------------------------------------------------------- P6: get_scale, last_step_skipped
+
+
+def _scaled_on_meta(scaler: ShardedGradScaler, optimizer: torch.optim.Optimizer) -> None:
+    scaler.scale(torch.ones((), device=META))
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def test_get_scale_on_device_reads_once_and_still_warns_at_floor() -> None:
+    scaler = ShardedGradScaler(init_scale=1024.0, min_scale=1.0)
+    with _DeviceCounter(1024.0) as counter:
+        _scaled_on_meta(scaler, _FusedSpy(_params(META)))
+        before = counter.syncs
+        assert scaler.get_scale() == 1024.0
+        assert counter.syncs - before == 1
+        counter.value = 1.0  # the scale at the floor, and steps skipped: the warning's case
+        before = counter.syncs
+        with pytest.warns(UserWarning, match="backed off to min_scale=1.0"):
+            assert scaler.get_scale() == 1.0
+        assert counter.syncs - before == 1
+
+
+@pytest.mark.parametrize(
+    ("optimizer_class", "reads"), [(_FusedSpy, 1), (_PlainSpy, 0)], ids=["fused", "plain"]
+)
+def test_last_step_skipped_on_device_reads_once_after_fused_never_after_plain(
+    optimizer_class: type[torch.optim.Optimizer], reads: int
+) -> None:
+    scaler = ShardedGradScaler()
+    with _DeviceCounter() as counter:
+        _scaled_on_meta(scaler, optimizer_class(_params(META)))  # type: ignore[call-arg]
+        before = counter.syncs
+        assert scaler.last_step_skipped is False
+        assert counter.syncs - before == reads
+
+
+# ---------------------------------------------------------------- M2, P7: the stats copy on a GPU
+
+
+class _Stream:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+
+class _CudaStubs:
+    """Recorders for the parts of ``torch.cuda`` the stats copy uses; the current device is
+    cuda:0, never the state's."""
+
+    def __init__(self, log: list[tuple[str, object]]) -> None:
+        self.log = log
+        self.pinned = 0
+        stubs = self
+
+        class Event:
+            def record(self, stream: _Stream | None = None) -> None:
+                stubs.log.append(("record", None if stream is None else stream.device))
+
+            def synchronize(self) -> None:
+                stubs.log.append(("synchronize", None))
+
+        self.Event = Event
+
+    def current_device(self) -> int:
+        return 0
+
+    def current_stream(self, device: torch.device | None = None) -> _Stream:
+        return _Stream(torch.device("cuda", 0) if device is None else torch.device(device))
+
+    @contextmanager
+    def device(self, device: torch.device) -> Iterator[None]:
+        self.log.append(("device", device))
+        yield
+        self.log.append(("device exit", device))
+
+
+@pytest.fixture
+def cuda_stubs(monkeypatch: pytest.MonkeyPatch) -> _CudaStubs:
+    log: list[tuple[str, object]] = []
+    stubs = _CudaStubs(log)
+    for name in ("Event", "current_device", "current_stream", "device"):
+        monkeypatch.setattr(torch.cuda, name, getattr(stubs, name))
+    empty = torch.empty
+
+    def unpinned_empty(*args: Any, pin_memory: bool | None = None, **kwargs: Any) -> torch.Tensor:
+        if pin_memory:  # a CPU-only torch cannot pin
+            stubs.pinned += 1
+            return empty(*args, **kwargs)
+        return empty(*args, pin_memory=pin_memory, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", unpinned_empty)
+    return stubs
+
+
+def test_stats_copy_event_on_state_device_stream_hooks_one_update_late(
+    cuda_stubs: _CudaStubs,
+) -> None:
+    scaler = ShardedGradScaler(max_consecutive_skips=100)
+    delivered: list[int] = []
+    scaler.register_stats_hook(lambda stats: delivered.append(stats.steps))
+    scaler.register_stats_hook(lambda stats: cuda_stubs.log.append(("hook", stats.steps)))
+    optimizer = _FusedSpy(_params(META))
+    with _DeviceCounter() as counter:
+        counter.log = cuda_stubs.log
+        for step in (1, 2, 3):
+            counter.value = float(step)  # what this update's copy brings to the host
+            _scaled_on_meta(scaler, optimizer)
+            assert delivered == list(range(1, step))  # each step's numbers one update late
+        assert scaler.stats.steps == 3  # reading stats delivers the step still in flight
+    assert delivered == [1, 2, 3]
+    assert cuda_stubs.pinned == 2  # two pinned buffers in turn, not one per update
+    copy_at = [i for i, entry in enumerate(cuda_stubs.log) if entry[0] == "copy"]
+    for i in copy_at:  # the copy under the state's device, the event on its stream
+        assert cuda_stubs.log[i - 1] == ("device", META)
+        assert cuda_stubs.log[i + 1] == ("record", META)
+    # each step is read only after its event was waited for
+    hooks = [i for i, entry in enumerate(cuda_stubs.log) if entry[0] == "hook"]
+    assert all(cuda_stubs.log[i - 1] == ("synchronize", None) for i in hooks)
