@@ -53,14 +53,20 @@ def _rank_main(
     os.environ["WORLD_SIZE"] = str(world_size)
     try:
         store = dist.FileStore(store_path, world_size)
+        device_id = None
         if backend == "nccl":
             torch.cuda.set_device(rank)
+            # Eager: the communicator is made here, by every rank, not lazily inside the first
+            # collective, where a rank that never arrives would block ncclCommInitRank before
+            # any sync_timeout could start counting.
+            device_id = torch.device("cuda", rank)
         dist.init_process_group(
             backend,
             store=store,
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=group_timeout_s),
+            device_id=device_id,
         )
         results.put((rank, True, fn(rank, world_size, *args)))
     except BaseException:
@@ -80,7 +86,8 @@ def run_ranks(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result.
 
-    ``backend="nccl"`` puts rank r on CUDA device r.
+    ``backend="nccl"`` puts rank r on CUDA device r and creates its communicator eagerly
+    (``device_id``).
 
     Raises:
         RankFailure: with every failing rank's traceback, or the ranks that never answered.

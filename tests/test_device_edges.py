@@ -269,3 +269,65 @@ def test_stats_copy_event_on_state_device_stream_hooks_one_update_late(
     # each step is read only after its event was waited for
     hooks = [i for i, entry in enumerate(cuda_stubs.log) if entry[0] == "hook"]
     assert all(cuda_stubs.log[i - 1] == ("synchronize", None) for i in hooks)
+
+
+# ---------------------------------------------------------------- P5: accelerate asks, or not
+
+
+@pytest.mark.parametrize(
+    ("optimizer_class", "step_reads", "asked_reads"),
+    [(_FusedSpy, 0, 1), (_PlainSpy, 1, 0)],
+    ids=["fused", "plain"],
+)
+def test_accelerate_step_reads_fused_skip_flag_only_when_asked(
+    optimizer_class: type[torch.optim.Optimizer], step_reads: int, asked_reads: int
+) -> None:
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.state import AcceleratorState
+
+    from shardscale.integrations.accelerate import use_shardscale
+
+    AcceleratorState._reset_state(True)  # accelerate's state is one per process
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+    scaler = use_shardscale(accelerator)
+    optimizer = accelerator.prepare(optimizer_class(_params(META)))  # type: ignore[call-arg]
+    assert isinstance(optimizer, AcceleratedOptimizer)
+    with _DeviceCounter(1.0) as counter:  # every flag read says "skipped"
+        for _ in range(2):
+            scaler.scale(torch.ones((), device=META))
+            before = counter.syncs
+            optimizer.step()  # a non-fused step reads its decision itself; a fused one, not
+            assert counter.syncs - before == step_reads
+        before = counter.syncs
+        assert optimizer.step_was_skipped is True  # a fused skip is seen as one too
+        assert optimizer.step_was_skipped is True
+        assert counter.syncs - before == asked_reads  # asked twice, read at most once
+
+
+# ---------------------------------------------------------------- W2: the GPU tests' harness
+
+
+def test_harness_nccl_ranks_create_communicator_eagerly(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    import queue
+
+    import torch.distributed as dist
+
+    from tests import harness
+
+    calls: list[dict[str, Any]] = []
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "KINETO_LOG_LEVEL"):  # a rank sets them
+        monkeypatch.setenv(name, "")
+    monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.append(k))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    results: queue.Queue[tuple[int, bool, Any]] = queue.Queue()
+    for backend, device_id in [("nccl", torch.device("cuda", 1)), ("gloo", None)]:
+        harness._rank_main(
+            lambda rank, world_size: rank, 1, 2, str(tmp_path / backend), results, (), 5.0, backend
+        )
+        assert results.get_nowait() == (1, True, 1)
+        assert calls.pop()["device_id"] == device_id

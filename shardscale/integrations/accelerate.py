@@ -9,7 +9,9 @@ then still need help, which :func:`use_shardscale` gives:
    skipped when the scaler did not call the optimizer's ``step()``; a fused optimizer is always
    called (it skips on the device), so its skips look like steps, and the LR schedulers of
    accelerate and of the Trainer (whose default optimizer is fused AdamW) advance. The prepared
-   optimizers report the scaler's agreed decision instead.
+   optimizers report the scaler's agreed decision instead, read from the device only when
+   ``step_was_skipped`` is asked (one host sync per step where it is: accelerate's prepared
+   LR scheduler and the Trainer ask every step; none where nothing asks).
 2. **Resume under FSDP2** (accelerate issue 4289). ``load_state`` loads the scaler, then loading
    the optimizer state steps the optimizer once on zero gradients (torch's
    ``_init_optim_state``) through the prepared optimizer, that is through the scaler: its
@@ -94,14 +96,48 @@ def _reporting_skips(prepare_optimizer: Any, scaler: ShardedGradScaler) -> Any:
         def step_and_report(self: Any, *step_args: Any, **step_kwargs: Any) -> Any:
             result = step(*step_args, **step_kwargs)
             if self.gradient_state.sync_gradients:  # a step happened (not accumulating)
-                self._is_overflow = scaler.last_step_skipped  # read by step_was_skipped
+                # The agreed decision, unread: a fused optimizer's is a device flag, read
+                # (one host sync) only if step_was_skipped is asked.
+                self._shardscale_skip = scaler._last_skip
             return result
 
         # A bound method, as torch's LR schedulers expect to find (they wrap it in turn).
         prepared.step = types.MethodType(functools.wraps(step)(step_and_report), prepared)
+        prepared.__class__ = _reading_skips_lazily(prepared.__class__)
         return prepared
 
     return prepare
+
+
+@functools.cache
+def _reading_skips_lazily(optimizer_class: type) -> type:
+    """``optimizer_class`` (accelerate's ``AcceleratedOptimizer``) whose ``step_was_skipped``
+    reports the scaler's agreed decision, read from the device only when asked.
+
+    accelerate's own answer is "the scaler did not call ``step()``", wrong for fused
+    optimizers, which are always called and skip on the device. Reading the decision in every
+    ``step()`` would add a host synchronisation per step to every fused job; read here it costs
+    one per step only where something asks (accelerate's prepared LR scheduler and the
+    Trainer do, every step), and none in a loop that never asks.
+    """
+
+    def step_was_skipped(self: Any) -> bool:
+        decision = self.__dict__.get("_shardscale_skip")
+        if decision is None:  # no synced step yet
+            return bool(self._is_overflow)
+        if not isinstance(decision, bool):  # a device flag: one host read, kept for the step
+            decision = self._shardscale_skip = bool(decision.item())
+        return decision
+
+    return type(
+        optimizer_class.__name__,
+        (optimizer_class,),
+        {
+            "step_was_skipped": property(step_was_skipped, doc="Whether the step was skipped."),
+            "__module__": optimizer_class.__module__,
+            "__qualname__": optimizer_class.__qualname__,
+        },
+    )
 
 
 def _restoring_scaler(load_state: Any, scaler: ShardedGradScaler) -> Any:
