@@ -47,7 +47,6 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 from shardscale import ShardedGradScaler, count_collectives
-from shardscale._grads import local_grad
 
 WORKLOADS = {
     "a: 20M params / 8 tensors": (8, 2_500_000),
@@ -82,8 +81,14 @@ class Tensors(nn.Module):
         return torch.stack([w.sum() for w in self.weights]).sum()
 
 
-def _local_grads(model: nn.Module) -> list[torch.Tensor]:
-    return [local_grad(p.grad) for p in model.parameters() if p.grad is not None]
+def local_grads(model: nn.Module) -> list[torch.Tensor]:
+    """This rank's local gradient tensors (FSDP2's shards), as the floors pass over them.
+
+    ``_local_tensor`` is what ``DTensor.to_local()`` returns, without its dispatch overhead: the
+    floor is the least a scaler must do, and the scaler reads the shards the same way.
+    """
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
 
 
 def _renew_grads(model: nn.Module) -> None:
@@ -142,7 +147,7 @@ def _floors(model: nn.Module, device: torch.device) -> dict[tuple[str, str], Run
     one = torch.ones((), device=device)
 
     def grads() -> list[torch.Tensor]:
-        return _local_grads(model)
+        return local_grads(model)
 
     def buffers() -> list[torch.Tensor]:
         return list({id(g._base): g._base.view(-1) for g in grads()}.values())  # type: ignore[union-attr]

@@ -23,9 +23,9 @@ from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from shardscale import count_collectives
-from shardscale._grads import local_grad
 from shardscale.integrations.lightning import FabricPrecision
 
 
@@ -79,7 +79,8 @@ def main() -> None:
         fabric.backward(output.float().pow(2).mean())  # scaler.scale(loss).backward()
         if step == args.inject_inf_at and fabric.global_rank == 1:
             grad = next(model.parameters()).grad
-            local_grad(grad).view(-1)[0] = math.inf
+            local = grad.to_local() if isinstance(grad, DTensor) else grad  # FSDP2: a view
+            local.view(-1)[0] = math.inf
         with count_collectives() as step_counts:
             norm = plugin.clip_grad_norm_(model.parameters(), 1.0)  # global, one collective
             optimizer.step()  # scaler.step + scaler.update

@@ -23,11 +23,16 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from shardscale import count_collectives
-from shardscale._grads import local_grad
 from shardscale.integrations.lightning import TrainerPrecision
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """The elements of ``grad`` this rank holds: FSDP2's local shard (a view), else ``grad``."""
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 class CountingPrecision(TrainerPrecision):
@@ -76,11 +81,11 @@ class Module(L.LightningModule):
     def on_after_backward(self) -> None:
         if self.global_step + 1 == self.inject_at and self.global_rank == 1:
             grad = self.net[0].weight.grad
-            local_grad(grad).view(-1)[0] = math.inf
+            _local(grad).view(-1)[0] = math.inf
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         grad = self.net[2].weight.grad
-        local = local_grad(grad)
+        local = _local(grad)
         self.seen["grad_absmax"] = float(local.abs().max())
 
     def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:

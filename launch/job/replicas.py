@@ -13,16 +13,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-from shardscale._grads import local_grad
+from torch.distributed.tensor import DTensor
 
 
 def local_grad_shards(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     """This rank's non-empty local gradient tensors (a DTensor's local shard; plain otherwise)."""
     for group in optimizer.param_groups:
         for param in group["params"]:
-            if param.grad is not None and (local := local_grad(param.grad)).numel():
+            if param.grad is not None and (local := _local(param.grad)).numel():
                 yield local
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """The elements of ``grad`` this rank holds: a DTensor's local shard (a view), else ``grad``."""
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _digest(*parts: bytes) -> torch.Tensor:
