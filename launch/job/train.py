@@ -25,7 +25,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,7 +264,8 @@ def _make_scaler(args: argparse.Namespace) -> ShardedGradScaler:
     bounds = {
         "sync_timeout": args.sync_timeout,
         "verify_every": args.verify_every,
-        # with planted infs, show where they landed (costs nothing on clean steps)
+        # with planted infs, show where they landed (a clean step costs one host read of the
+        # agreed flag, which AdamW's non-fused step makes anyway)
         "locate_overflow": bool(args.inject_inf_every),
     }
     if args.precision == "fp16":
@@ -364,11 +365,31 @@ def _plot(path: Path, history: list[dict[str, Any]], title: str) -> None:
 # ------------------------------------------------------------------ the job
 
 
-def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """Run the job on the initialised process group; return its summary (on every rank)."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    if not 0 <= args.inject_rank < world_size:
-        raise SystemExit(f"--inject-rank must be in [0, {world_size}), got {args.inject_rank}")
+@dataclass(frozen=True)
+class Job:
+    """What one run trains with, built once: the model, its optimizer and scaler, its data share."""
+
+    device: torch.device
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: ShardedGradScaler
+    pipeline: Pipeline | None
+    autocast: Callable[[], Any]
+    """A context for the forward pass in the compute dtype (a no-op in fp32)."""
+    data_rank: int
+    data_ranks: int
+    """This rank's share of the data: its index among the ranks that take different batches."""
+    stage: int
+    """The pipeline stage this rank runs (0 without a pipeline): ranks of one stage agree."""
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """Plain pipeline-stage parameters live on their stage's ranks only; the clip is told."""
+        return self.pipeline.replica_group if self.pipeline is not None else None
+
+
+def build_job(args: argparse.Namespace, device: torch.device) -> Job:
+    """The model (wrapped for ``--parallel``), AdamW and the scaler, seeded by ``--seed``."""
     torch.manual_seed(args.seed)
     config = GPTConfig(
         seq_len=args.seq_len, d_model=args.d_model, n_heads=args.heads, n_layers=args.layers
@@ -390,28 +411,30 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         data_rank, data_ranks, stage = pipeline.dp_rank, pipeline.dp_size, pipeline.stage
     else:
         model = _wrap(GPT(config).to(device), args.parallel, device)
-        data_rank, data_ranks, stage = rank, world_size, 0
+        data_rank, data_ranks, stage = dist.get_rank(), dist.get_world_size(), 0
     # eps / D keeps AdamW's update what it is at D = 1: only the gradients' range moves.
     # Built from named parameters, so that located overflows are named.
     optimizer = torch.optim.AdamW(
         model.named_parameters(), lr=args.lr, eps=1e-8 / args.loss_divisor
     )
-    # Plain pipeline-stage parameters live on their stage's ranks only; the clip norm is told.
-    replica_group = pipeline.replica_group if pipeline is not None else None
-    # The job prints skips and located overflows itself, once (rank 0), beside its progress bar:
-    # the library's log lines would repeat them on every rank.
-    logging.getLogger("shardscale").setLevel(logging.ERROR)
-    batches = Batches(build_corpus(), args.seq_len, args.batch_size, args.seed)
-    progress = Progress(args.steps, args.log_every, enabled=rank == 0)
+    return Job(device, model, optimizer, scaler, pipeline, autocast, data_rank, data_ranks, stage)
 
-    train_state: dict[str, Any] = {"step": 0, "samples_seen": 0, "seed": args.seed}
-    state = {
-        "app": checkpointing.ModelAndOptimizer(model, optimizer),
-        "scaler": scaler,
-        "train": train_state,
+
+def checkpoint_state(job: Job, seed: int) -> dict[str, Any]:
+    """What a checkpoint holds: model and optimizer, scaler, the loop's position, the RNG."""
+    return {
+        "app": checkpointing.ModelAndOptimizer(job.model, job.optimizer),
+        "scaler": job.scaler,
+        "train": {"step": 0, "samples_seen": 0, "seed": seed},
         "rng": torch.get_rng_state(),
     }
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def resume_if_asked(
+    args: argparse.Namespace, state: dict[str, Any], restart: int, progress: Progress
+) -> None:
+    """Load the latest checkpoint into ``state`` on ``--resume``, or when torchrun restarted a
+    checkpointed job (``restart`` > 0); then check that every rank loaded the same scaler."""
     if restart and args.checkpoint_dir is not None and not args.resume:
         if checkpointing.has_checkpoint(args.checkpoint_dir):
             args.resume = True  # torchrun restarted the job: carry on from the last checkpoint
@@ -420,120 +443,162 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
                 f"restart {restart}: no checkpoint in {args.checkpoint_dir} yet, "
                 "starting again from step 0"
             )
-    if args.resume:
-        path = checkpointing.latest(args.checkpoint_dir)
-        checkpointing.load(path, state)
-        if train_state["seed"] != args.seed:
-            raise SystemExit(
-                f"--seed {args.seed} differs from the checkpoint's {train_state['seed']}"
-            )
-        torch.set_rng_state(state["rng"])
-        scaler.verify_agreement()  # every rank loaded the same scaler state, or we stop here
-        progress.note(
-            f"resumed from {path} at step {train_state['step']} "
-            f"(scale {scaler.get_scale():g}, world size {world_size})"
-        )
-    start = train_state["step"]
+    if not args.resume:
+        return
+    path = checkpointing.latest(args.checkpoint_dir)
+    checkpointing.load(path, state)
+    train_state, scaler = state["train"], state["scaler"]
+    if train_state["seed"] != args.seed:
+        raise SystemExit(f"--seed {args.seed} differs from the checkpoint's {train_state['seed']}")
+    torch.set_rng_state(state["rng"])
+    scaler.verify_agreement()  # every rank loaded the same scaler state, or we stop here
+    progress.note(
+        f"resumed from {path} at step {train_state['step']} "
+        f"(scale {scaler.get_scale():g}, world size {dist.get_world_size()})"
+    )
 
-    history: list[dict[str, Any]] = []
-    tokens_per_step = args.batch_size * args.seq_len * data_ranks
-    started = time.perf_counter()
+
+def save_checkpoint(directory: Path, step: int, state: dict[str, Any]) -> None:
+    state["rng"] = torch.get_rng_state()
+    checkpointing.save(directory, step, state)
+
+
+def forward_backward(
+    job: Job, inputs: torch.Tensor, targets: torch.Tensor, loss_divisor: float
+) -> torch.Tensor:
+    """The scaled forward and backward pass; returns the loss averaged over ranks (to log)."""
+    if job.pipeline is not None:  # the last stage scales its loss; the schedule runs backward
+        return job.pipeline.forward_backward(inputs, targets)
+    with job.autocast():
+        loss = lm_loss(job.model(inputs), targets)
+    job.scaler.scale(loss / loss_divisor).backward()
+    global_loss = loss.detach().double()
+    dist.all_reduce(global_loss)
+    return global_loss / dist.get_world_size()
+
+
+def inject_faults(
+    args: argparse.Namespace, faults: Faults, step: int, restart: int, job: Job
+) -> None:
+    """At ``step``'s gradients: kill a rank (the test suite asks), or plant an inf (the flags)."""
+    rank = dist.get_rank()
+    if faults.kill_step == step + 1 and rank == faults.kill_rank and not restart:
+        print(f"rank {rank}: killed at step {step + 1} (SHARDSCALE_TEST_KILL)", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    every = args.inject_inf_every
+    if every and (step + 1) % every == 0 and rank == args.inject_rank:
+        _plant_inf(job.optimizer)
+
+
+def clip_step_update(args: argparse.Namespace, job: Job, record: dict[str, Any]) -> None:
+    """Clip (if ``--clip-norm``), step and update; add what they saw to ``record``."""
+    scaler = job.scaler
+    zeros = _zero_fraction(job.optimizer, job.device) if args.track_underflow else None
+    grad_norm = (
+        scaler.clip_grad_norm_(
+            job.model.parameters(), args.clip_norm, replica_group=job.replica_group
+        )
+        if args.clip_norm
+        else None
+    )
+    scaler.step(job.optimizer)
+    scaler.update()
+    record["scale"] = scaler.get_scale()
+    record["skipped"] = scaler.last_step_skipped  # free after AdamW's (non-fused) step
+    if zeros is not None:
+        record["zero_grad_fraction"] = zeros
+    if grad_norm is not None:
+        record["grad_norm"] = grad_norm.item()  # unscaled, global; inf when skipped
+
+
+def train_loop(
+    args: argparse.Namespace,
+    job: Job,
+    batches: Batches,
+    state: dict[str, Any],
+    restart: int,
+    progress: Progress,
+) -> list[dict[str, Any]]:
+    """Steps from the checkpointed one to ``--steps`` (or the test suite's stop): one record
+    per step, progress on rank 0, checkpoints every ``--checkpoint-every`` steps."""
+    train_state, scaler = state["train"], job.scaler
+    start = train_state["step"]
+    tokens_per_step = args.batch_size * args.seq_len * job.data_ranks
     faults = Faults.from_environment()
     stop = args.steps if faults.exit_after is None else min(args.steps, faults.exit_after)
     # Host-side copies, so the loop reads the device once per step (the new scale), not more.
     scale = scaler.get_scale()
     skipped_total = scaler.state_dict().get("skipped_steps", 0)
+    history: list[dict[str, Any]] = []
+    started = time.perf_counter()
     for step in range(start, stop):
-        inputs, targets = (t.to(device) for t in batches.train_batch(step, data_rank, data_ranks))
-        optimizer.zero_grad(set_to_none=True)
-        if pipeline is not None:  # the last stage scales its loss; the schedule runs backward
-            global_loss = pipeline.forward_backward(inputs, targets)
-        else:
-            with autocast():
-                loss = lm_loss(model(inputs), targets)
-            scaler.scale(loss / args.loss_divisor).backward()
-            global_loss = loss.detach().double()
-            dist.all_reduce(global_loss)
-            global_loss /= world_size
-        if faults.kill_step == step + 1 and rank == faults.kill_rank and not restart:
-            print(f"rank {rank}: killed at step {step + 1} (SHARDSCALE_TEST_KILL)", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        if (
-            args.inject_inf_every
-            and (step + 1) % args.inject_inf_every == 0
-            and rank == args.inject_rank
-        ):
-            _plant_inf(optimizer)
-        zeros = _zero_fraction(optimizer, device) if args.track_underflow else None
-        grad_norm = (
-            scaler.clip_grad_norm_(model.parameters(), args.clip_norm, replica_group=replica_group)
-            if args.clip_norm
-            else None
+        batch = batches.train_batch(step, job.data_rank, job.data_ranks)
+        inputs, targets = (t.to(job.device) for t in batch)
+        job.optimizer.zero_grad(set_to_none=True)
+        global_loss = forward_backward(job, inputs, targets, args.loss_divisor)
+        inject_faults(args, faults, step, restart, job)
+        record: dict[str, Any] = {"step": step + 1, "loss": global_loss.item()}
+        clip_step_update(args, job, record)
+        history.append(record)
+        scale_used, scale = scale, record["scale"]
+        skipped_total += record["skipped"]
+        train_state.update(
+            step=step + 1, samples_seen=(step + 1) * args.batch_size * job.data_ranks
         )
-        scaler.step(optimizer)
-        scaler.update()
-        skipped = scaler.last_step_skipped  # free after AdamW's (non-fused) step
-        skipped_total += skipped
-        scale_used, scale = scale, scaler.get_scale()
-        history.append(
-            {
-                "step": step + 1,
-                "loss": global_loss.item(),
-                "scale": scale,
-                "skipped": skipped,
-            }
-        )
-        if zeros is not None:
-            history[-1]["zero_grad_fraction"] = zeros
-        if grad_norm is not None:
-            history[-1]["grad_norm"] = grad_norm.item()  # unscaled, global; inf when skipped
-        train_state.update(step=step + 1, samples_seen=(step + 1) * args.batch_size * data_ranks)
-        if skipped:
+        if record["skipped"]:
             located = "; ".join(map(str, scaler.last_overflow))
             progress.note(
-                f"step {step + 1}: skipped on all {world_size} rank(s) (non-finite "
+                f"step {step + 1}: skipped on all {dist.get_world_size()} rank(s) (non-finite "
                 f"gradients); scale {scale_used:g} -> {scale:g}"
                 + (f"; located at {located}" if located else "")
             )
         elapsed = time.perf_counter() - started
         progress.update(
             step,
-            history[-1]["loss"],
+            record["loss"],
             scale,
             skipped_total,
             tokens_per_step * (step + 1 - start) / max(elapsed, 1e-9),
         )
         every = args.checkpoint_every
         if args.checkpoint_dir is not None and every and (step + 1) % every == 0:
-            state["rng"] = torch.get_rng_state()
-            checkpointing.save(args.checkpoint_dir, step + 1, state)
+            save_checkpoint(args.checkpoint_dir, step + 1, state)
     progress.close()
-    elapsed = time.perf_counter() - started
-    final_step = train_state["step"]
-    interrupted = final_step < args.steps
-    if args.checkpoint_dir is not None and not args.checkpoint_every and not interrupted:
-        state["rng"] = torch.get_rng_state()
-        checkpointing.save(args.checkpoint_dir, final_step, state)
+    return history
 
-    eval_loss = _evaluate(model, pipeline, batches, args.eval_batches, device, autocast)
-    # Ranks of one stage hold the same parameters; every rank the same steps and scaler state.
-    agree = ranks_agree(
-        params_digest(model),
-        steps_digest(optimizer, repr(sorted(scaler.state_dict().items()))),
-        stage,
-    )
+
+def summarise(
+    args: argparse.Namespace,
+    job: Job,
+    history: list[dict[str, Any]],
+    elapsed: float,
+    final_step: int,
+    eval_loss: float | None,
+) -> dict[str, Any]:
+    """The run's summary, the same on every rank; ``ranks_agree`` compares them (a collective).
+
+    Ranks of one stage must hold the same parameters; every rank the same optimizer steps and
+    scaler state.
+    """
+    scaler = job.scaler
     scaler_state = scaler.state_dict()
+    agree = ranks_agree(
+        params_digest(job.model),
+        steps_digest(job.optimizer, repr(sorted(scaler_state.items()))),
+        job.stage,
+    )
+    tokens_per_step = args.batch_size * args.seq_len * job.data_ranks
     return {
         "steps": final_step,
-        "interrupted": interrupted,
+        "interrupted": final_step < args.steps,
         "skipped_steps": scaler_state.get("skipped_steps", 0),
         "final_loss": history[-1]["loss"] if history else None,
         "eval_loss": eval_loss,
         "final_scale": scaler.get_scale(),
-        "world_size": world_size,
+        "world_size": dist.get_world_size(),
         "ranks_agree": agree,
         "parallel": args.parallel,
-        "pipeline_stages": pipeline.stages if pipeline is not None else 1,
+        "pipeline_stages": job.pipeline.stages if job.pipeline is not None else 1,
         "precision": args.precision,
         "loss_scaling": scaler.is_enabled() and args.precision == "fp16",
         "backend": str(dist.get_backend()),
@@ -541,6 +606,31 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "elapsed_s": elapsed,
         "history": history,
     }
+
+
+def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Run the job on the initialised process group; return its summary (on every rank)."""
+    world_size = dist.get_world_size()
+    if not 0 <= args.inject_rank < world_size:
+        raise SystemExit(f"--inject-rank must be in [0, {world_size}), got {args.inject_rank}")
+    job = build_job(args, device)
+    # The job prints skips and located overflows itself, once (rank 0), beside its progress bar:
+    # the library's log lines would repeat them on every rank.
+    logging.getLogger("shardscale").setLevel(logging.ERROR)
+    batches = Batches(build_corpus(), args.seq_len, args.batch_size, args.seed)
+    progress = Progress(args.steps, args.log_every, enabled=dist.get_rank() == 0)
+    state = checkpoint_state(job, args.seed)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    resume_if_asked(args, state, restart, progress)
+
+    started = time.perf_counter()
+    history = train_loop(args, job, batches, state, restart, progress)
+    elapsed = time.perf_counter() - started
+    final_step = state["train"]["step"]
+    if args.checkpoint_dir is not None and not args.checkpoint_every and final_step >= args.steps:
+        save_checkpoint(args.checkpoint_dir, final_step, state)
+    eval_loss = _evaluate(job.model, job.pipeline, batches, args.eval_batches, device, job.autocast)
+    return summarise(args, job, history, elapsed, final_step, eval_loss)
 
 
 @torch.no_grad()
