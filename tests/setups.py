@@ -7,6 +7,7 @@ wrapped the way real jobs wrap it, and an optimizer of the asked flavour.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from shardscale import ShardedGradScaler
 
 KINDS = (
     "plain",  # every rank holds the whole model, nothing wraps it
@@ -77,6 +80,30 @@ class _MixedDtypeModel(nn.Module):
 def mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+def scaled_backward(scaler: ShardedGradScaler) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """One process: an `mlp`, SGD and one scaled backward, ready for unscale_/step."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.ones(2, 16)).sum()).backward()
+    return model, optimizer
+
+
+def overflow_steps(scaler: ShardedGradScaler, pattern: list[bool]) -> list[float]:
+    """One process: a step per entry of ``pattern``, an inf planted where True; the scales."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scales = []
+    for overflow in pattern:
+        optimizer.zero_grad()
+        scaler.scale(model(torch.ones(2, 16)).mean()).backward()
+        if overflow:
+            model[0].weight.grad[0, 0] = math.inf
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
 
 
 def _wrap(kind: str, world_size: int) -> nn.Module:
