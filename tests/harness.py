@@ -45,9 +45,11 @@ def _rank_main(
     args: tuple[Any, ...],
     group_timeout_s: float,
     backend: str,
+    env: dict[str, str] | None = None,
 ) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop chatter
+    os.environ.update(env or {})  # before the process group, which reads its variables once
     os.environ["RANK"] = str(rank)
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
@@ -83,11 +85,12 @@ def run_ranks(
     timeout_s: float = 90.0,
     group_timeout_s: float = 30.0,
     backend: str = "gloo",
+    env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result.
 
     ``backend="nccl"`` puts rank r on CUDA device r and creates its communicator eagerly
-    (``device_id``).
+    (``device_id``). ``env`` is set in each rank before its process group is created.
 
     Raises:
         RankFailure: with every failing rank's traceback, or the ranks that never answered.
@@ -98,7 +101,17 @@ def run_ranks(
         processes = [
             _context.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, store_path, results, args, group_timeout_s, backend),
+                args=(
+                    fn,
+                    rank,
+                    world_size,
+                    store_path,
+                    results,
+                    args,
+                    group_timeout_s,
+                    backend,
+                    env,
+                ),
                 daemon=True,
             )
             for rank in range(world_size)

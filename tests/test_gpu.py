@@ -1,8 +1,15 @@
 """CUDA-only behaviour: marked, and skipped on machines without a GPU (CI has none).
 
 Covers what CPU runs cannot: CUDA gradients, fused and capturable optimizers on the device,
-zero host synchronisations on the fused path, CUDA-graph capture of step+update, CPU-offloaded
-gradients beside CUDA ones, NCCL at world size 1, and NCCL agreement across two GPUs.
+zero host synchronisations on the fused path (with and without ``clip_grad_norm_``), CUDA-graph
+capture of step+update, CPU-offloaded gradients beside CUDA ones, fused AdamW over CPU parameters
+with the scale on the GPU, FSDP2 over NCCL (world size 1, and with ``CPUOffloadPolicy``), stats
+hooks on CUDA (from another current device where two GPUs exist), NCCL at world size 1, NCCL
+agreement across two GPUs, ``sync_timeout`` on a healthy NCCL run and with a missing rank.
+
+None of these has run yet (no GPU was available when they were written): ``launch/gpu_check.sh``
+runs them on the day one is, and records the outcome in docs/gpu.md. Each was written by reading
+torch's sources; where a test's confidence is lower, its docstring says why.
 """
 
 from __future__ import annotations
@@ -195,8 +202,223 @@ def test_nccl_two_gpus_agree_at_one_collective() -> None:
 
 @pytest.mark.nccl
 def test_nccl_sync_timeout_missing_rank_raises() -> None:
+    """The harness creates the communicators eagerly (``device_id``): the scaler's all-reduce is
+    then not stuck in ``ncclCommInitRank`` but waits, bounded, for the rank that never comes.
+    On timeout NCCL aborts the communicator and raises from ``wait()``; its watchdog would then
+    take the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING's default), perhaps before this rank
+    reports: the test turns that off to read the message, which users may never see."""
     waiting, _ = run_ranks(
-        _rank_one_rank_never_arrives, 2, "cuda", 3.0, backend="nccl", timeout_s=90
+        _rank_one_rank_never_arrives,
+        2,
+        "cuda",
+        3.0,
+        backend="nccl",
+        timeout_s=90,
+        env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"},
     )
     assert waiting["error"].startswith("step 1: waited 3 s for all 2 ranks")
     assert waiting["waited"] < 15
+
+
+def _rank_nccl_sync_timeout_healthy(rank: int, world_size: int) -> dict[str, Any]:
+    """A healthy run with a generous sync_timeout: same decisions, nothing times out."""
+    import time
+
+    model = _cuda_mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    scaler = ShardedGradScaler(init_scale=8.0, sync_timeout=300)
+    skipped, seconds = [], []
+    for step in range(4):
+        optimizer.zero_grad()
+        scaler.scale(model(torch.randn(2, 16, device="cuda")).sum()).backward()
+        if step == 2 and rank == 1:
+            plant(optimizer, math.inf)
+        torch.cuda.synchronize()
+        start = time.monotonic()
+        scaler.step(optimizer)
+        scaler.update()
+        seconds.append(time.monotonic() - start)
+        skipped.append(scaler.last_step_skipped)
+    return {"skipped": skipped, "scale": scaler.get_scale(), "slowest_s": max(seconds[1:])}
+
+
+@pytest.mark.nccl
+def test_nccl_sync_timeout_healthy_run_agrees_and_never_times_out() -> None:
+    results = run_ranks(_rank_nccl_sync_timeout_healthy, 2, backend="nccl")
+    for result in results:
+        assert result["skipped"] == [False, False, True, False]
+        assert result["scale"] == 4.0  # backed off once; growth_interval 2000: never grows
+        assert result["slowest_s"] < 5.0  # a host wait per step (P1), not a timeout
+
+
+def test_cuda_fused_clip_step_and_update_make_no_host_sync() -> None:
+    """``clip_grad_norm_`` + ``step`` + ``update`` with fused AdamW: the fp64 device norm, the
+    agreed flag and the clip factor stay on the GPU; ``set_sync_debug_mode("error")`` raises on
+    any synchronising call (``.item()``, a blocking copy to the host)."""
+    model = _cuda_mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    scaler = ShardedGradScaler()
+    for step in range(3):
+        optimizer.zero_grad()
+        scaler.scale(model(torch.randn(4, 16, device="cuda")).pow(2).mean()).backward()
+        if step == 2:  # after two warm-up steps: cached constants are made
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            norm = scaler.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)
+            scaler.update()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert norm.device.type == "cuda"
+    assert not scaler.last_step_skipped
+
+
+def _cpu_params_fused_adamw(scaler: Any, loss_device: str) -> tuple[list[Any], list[torch.Tensor]]:
+    """Fused AdamW over CPU parameters (as with CPU offload) with the loss, hence the scale, on
+    ``loss_device``; inf planted at steps 1 and 3. Parameters must never turn non-finite, and a
+    skipped step must leave them as they were."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(64, 32)), nn.Parameter(torch.randn(32))]
+    optimizer = torch.optim.AdamW(params, lr=0.05, fused=True)
+    history: list[Any] = []
+    for step in range(5):
+        optimizer.zero_grad()
+        loss_scale = float(scaler.scale(torch.ones((), device=loss_device)).item())
+        for i, param in enumerate(params):
+            seed = torch.Generator().manual_seed(10 * step + i)
+            param.grad = torch.randn(param.shape, generator=seed) * loss_scale
+        if step in (1, 3):
+            plant(optimizer, math.inf)
+        before = [p.detach().clone() for p in params]
+        scaler.step(optimizer)
+        scaler.update()
+        assert all(bool(torch.isfinite(p).all()) for p in params), f"non-finite at step {step}"
+        held = all(torch.equal(b, p) for b, p in zip(before, params, strict=True))
+        history.append((scaler.get_scale(), held))
+    return history, [p.detach().clone() for p in params]
+
+
+def test_cuda_scale_fused_adamw_over_cpu_params_matches_torch_on_cpu() -> None:
+    """The scale on the GPU, the parameters (and fused AdamW's CPU kernel) on the CPU: shardscale
+    hands the optimizer its scale and flag already on the CPU (a blocking copy; audit W3), so
+    the result is bit for bit torch's scaler run entirely on the CPU, where no copy races."""
+    kwargs: dict[str, Any] = {"init_scale": 2.0**10, "growth_interval": 2}
+    ours = _cpu_params_fused_adamw(ShardedGradScaler(**kwargs), "cuda")
+    theirs = _cpu_params_fused_adamw(torch.amp.GradScaler("cpu", **kwargs), "cpu")
+    assert [held for _, held in ours[0]] == [False, True, False, True, False]
+    assert ours[0] == theirs[0]
+    for a, b in zip(ours[1], theirs[1], strict=True):
+        assert torch.equal(a, b)
+
+
+def _fsdp2_train(model: nn.Module, scaler: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """Six steps, inf at steps 2 and 4, clipped; what the parent compares."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, **options)
+    scales, finite, collectives = [], [], 0
+    for step in range(6):
+        optimizer.zero_grad()
+        inputs = torch.randn(4, 16, generator=torch.Generator().manual_seed(step)).cuda()
+        scaler.scale(model(inputs).float().pow(2).mean()).backward()
+        if step in (2, 4):
+            plant(optimizer, math.inf)
+        if isinstance(scaler, ShardedGradScaler):
+            scaler.clip_grad_norm_(model.parameters(), 1.0)
+        else:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with count_collectives() as counts:
+            scaler.step(optimizer)
+            scaler.update()
+        collectives += sum(counts.values())
+        scales.append(scaler.get_scale())
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+        finite.append(all(bool(torch.isfinite(p).all()) for p in local))
+    params = [
+        (p.to_local() if hasattr(p, "to_local") else p).detach().float().cpu().reshape(-1)
+        for p in model.parameters()
+    ]
+    return {"scales": scales, "finite": finite, "collectives": collectives, "params": params}
+
+
+def _rank_fsdp2_nccl_world_of_one(
+    rank: int, world_size: int, options: dict[str, Any], offload: bool
+) -> dict[str, Any]:
+    """FSDP2 on a one-rank NCCL mesh (optionally ``CPUOffloadPolicy``: parameters, gradients and
+    the optimizer step on the CPU), against torch's ``GradScaler`` on the same model unsharded
+    on the GPU. At world size 1 the shards are whole, so the parameters compare directly."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    mesh = init_device_mesh("cuda", (world_size,))
+    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+    model = _cuda_mlp()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, offload_policy=policy)
+    kwargs: dict[str, Any] = {"init_scale": 2.0**10, "growth_interval": 3}
+    ours = _fsdp2_train(model, ShardedGradScaler(**kwargs), options)
+    theirs = _fsdp2_train(_cuda_mlp(), torch.amp.GradScaler("cuda", **kwargs), options)
+    gap = max(
+        float((a - b).abs().max()) for a, b in zip(ours["params"], theirs["params"], strict=True)
+    )
+    grad_devices = sorted({p.grad.device.type for p in model.parameters() if p.grad is not None})
+    return {
+        "scales": [ours["scales"], theirs["scales"]],
+        "finite": ours["finite"],
+        "collectives": ours["collectives"],
+        "gap": gap,
+        "grad_devices": grad_devices,
+    }
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["on-gpu", "cpu-offload"])
+@pytest.mark.parametrize("options", [{"foreach": True}, {"fused": True}], ids=["foreach", "fused"])
+def test_fsdp2_nccl_world_of_one_matches_torch(options: dict[str, Any], offload: bool) -> None:
+    """FSDP2 over NCCL, the production layout, at world size 1 (one GPU suffices): DTensor
+    gradients, the fp64 device norm of ``clip_grad_norm_``, no collective of the scaler's own.
+    With ``CPUOffloadPolicy`` and fused AdamW, the optimizer's CPU kernel gets the scale and the
+    flag on the CPU (W3): the parameters never turn non-finite. Medium confidence for
+    offload + fused: it relies on DTensor accepting the 0-dim CPU ``grad_scale``/``found_inf``
+    beside CPU DTensor parameters in ``_fused_adamw_``. The parameters are compared within a
+    tolerance: the clip norm is taken in fp64 here and in fp32 by torch, and offloaded steps run
+    the CPU kernels."""
+    if not dist.is_nccl_available():
+        pytest.skip("needs NCCL")
+    (result,) = run_ranks(_rank_fsdp2_nccl_world_of_one, 1, options, offload, backend="nccl")
+    ours, theirs = result["scales"]
+    assert ours == theirs == [1024.0, 1024.0, 512.0, 512.0, 256.0, 256.0]
+    assert all(result["finite"])
+    assert result["collectives"] == 0  # world size 1: nothing to agree with
+    assert result["grad_devices"] == (["cpu"] if offload else ["cuda"])
+    assert result["gap"] < 1e-4
+
+
+def test_cuda_stats_hook_one_update_late_from_another_current_device() -> None:
+    """The stats copy and its event go on the stream of the state's own GPU (audit M2): with two
+    GPUs the loss lives on the last while the current device stays cuda:0, as on the async
+    scaler's optimizer thread or in a script that never calls ``torch.cuda.set_device``; with
+    one, both are cuda:0. Every hook gets its step's true numbers, one ``update()`` late."""
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    with torch.cuda.device(0):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+        scaler = ShardedGradScaler(init_scale=2.0**10, growth_interval=2, max_consecutive_skips=3)
+        delivered: list[Any] = []
+        scaler.register_stats_hook(delivered.append)
+        for step in range(5):
+            optimizer.zero_grad()
+            scaler.scale(model(torch.randn(4, 16, device=device)).pow(2).mean()).backward()
+            if step == 1:
+                plant(optimizer, math.inf)
+            scaler.step(optimizer)
+            scaler.update()
+            assert [stats.steps for stats in delivered] == list(range(1, step + 1))
+            assert torch.cuda.current_device() == 0
+        assert scaler.stats.steps == 5  # delivers the last step too
+    assert [stats.steps for stats in delivered] == [1, 2, 3, 4, 5]
+    assert [stats.last_step_skipped for stats in delivered] == [False, True, False, False, False]
+    assert [stats.scale for stats in delivered] == [1024.0, 512.0, 512.0, 1024.0, 1024.0]
+    assert [stats.consecutive_skips for stats in delivered] == [0, 1, 0, 0, 0]
