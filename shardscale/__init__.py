@@ -1,5 +1,7 @@
 """shardscale: a sharded gradient scaler whose ranks always agree, at one collective per step."""
 
+import importlib.metadata as _metadata
+
 from shardscale._errors import ShardScaleDistributedError, ShardScaleSkipError, ShardScaleWarning
 from shardscale._locate import NonFiniteGrad, find_nonfinite_grads
 from shardscale._policy import ScalePolicy, ScaleState
@@ -23,4 +25,8 @@ __all__ = [
     "find_nonfinite_grads",
 ]
 
-__version__ = "0.1.0"
+try:
+    # pyproject.toml's `version` is the one source; the installed package's metadata carries it.
+    __version__ = _metadata.version("shardscale")
+except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
