@@ -4,7 +4,8 @@
 
 On the 400-tensor FSDP2 workload of ``bench.py``, gradients kept and fresh, through the public
 API only, as a user would time it: ``unscale_`` (the walk of the gradients and the check kernel),
-``step`` after it (the agreement: one all-reduce, then the decision), ``update`` (counters and
+``step`` after it (the agreement: one all-reduce, then the decision; a scaler's first
+``unscale_`` agrees at once instead, and that step is not timed), ``update`` (counters and
 the policy), each timed within one real step that starts after a barrier, and beside them what no
 scaler can avoid: torch's check kernel over the same gradients and a bare all-reduce. ``unscale_``
 less the kernel is the walk and the Python around it. Medians in ms, per rank. Then, on rank 0

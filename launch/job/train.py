@@ -264,8 +264,8 @@ def _make_scaler(args: argparse.Namespace) -> ShardedGradScaler:
     bounds = {
         "sync_timeout": args.sync_timeout,
         "verify_every": args.verify_every,
-        # with planted infs, show where they landed (a clean step costs one host read of the
-        # agreed flag, which AdamW's non-fused step makes anyway)
+        # with planted infs, show where they landed. A clean step pays one host read of the
+        # agreed flag: after AdamW's non-fused step, which has read it already, it waits for nothing
         "locate_overflow": bool(args.inject_inf_every),
     }
     if args.precision == "fp16":
