@@ -97,6 +97,7 @@ class StepReporter:
         # pinned buffers (with their events) that the copies take in turn.
         self._pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
         self._buffers: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        self._buffers_device: torch.device | None = None
         self._last_logged = -float("inf")
         self._unlogged_skips = 0
         self._warned_at_floor = False
@@ -146,6 +147,8 @@ class StepReporter:
         i.e. unless it is the pending one; so two suffice and no step allocates pinned memory.
         """
         pending = self._pending[0] if self._pending is not None else None
+        if packed.device != self._buffers_device:  # a CUDA event records on one device only
+            self._buffers, self._buffers_device = [], packed.device
         for pair in self._buffers:
             if pair[0] is not pending and pair[0].shape == packed.shape:
                 return pair
