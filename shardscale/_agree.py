@@ -125,6 +125,8 @@ class Agreement:
     def world_size(self) -> int:
         """The group's size; 1 when no process group is initialised."""
         if self._world_size is None:
+            if self._requested is not None and not isinstance(self._requested, dist.ProcessGroup):
+                return 1  # duck-typed (torch's DummyProcessGroup): size 1, checked by the config
             if not (dist.is_available() and dist.is_initialized()):
                 if self._requested is not None:
                     raise RuntimeError(

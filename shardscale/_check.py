@@ -16,7 +16,7 @@ import torch
 from shardscale._devices import move
 from shardscale._walk import GradGroups
 
-__all__ = ["Flags", "check_and_unscale_", "multiply_"]
+__all__ = ["Flags", "check_and_unscale_", "inverse", "multiply_"]
 
 Flags = dict[torch.device, torch.Tensor]
 """One float32 scalar per device holding gradients: 1.0 where any element was non-finite."""
@@ -47,12 +47,44 @@ def check_and_unscale_(
 
 
 def multiply_(groups: GradGroups, factor: torch.Tensor) -> None:
-    """Multiply every gradient in ``groups`` by the float32 scalar ``factor``, in place."""
+    """Multiply every gradient in ``groups`` by the float32 scalar ``factor``, in place.
+
+    With the check kernel, not ``_foreach_mul_``: on CUDA ``_foreach_mul_`` takes its per-tensor
+    slow path when the factor's dtype differs from the gradients' (a float32 factor on fp16 or
+    bf16 gradients: one launch per tensor), while the check kernel takes a float32 factor for
+    every gradient dtype in one launch, and multiplies in the same precision (float32 for
+    fp16/bf16, as ``mul_`` does). Its flag is a scratch one nobody reads.
+    """
+    factors: dict[torch.device, torch.Tensor] = {}
     for (device, _dtype), grads in groups.items():
-        torch._foreach_mul_(grads, move(factor, device))
+        if device not in factors:  # one copy per device (blocking to the CPU)
+            factors[device] = move(factor, device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, _scratch(device), factors[device])
+
+
+def inverse(scale: torch.Tensor) -> torch.Tensor:
+    """1/scale in float32, taken in float64 as torch's scalers do (bit for bit with them).
+
+    One kernel: the division runs in float64 (the one operand is float64) and is rounded once
+    to float32 as it is stored, exactly ``scale.double().reciprocal().float()``.
+    """
+    out = torch.empty((), dtype=torch.float32, device=scale.device)
+    return torch.div(_one64(scale.device), scale, out=out)
 
 
 @functools.cache
 def _ones(device: torch.device) -> torch.Tensor:
     """A float32 one on ``device``, made once (the check-only pass multiplies by it)."""
     return torch.ones((), dtype=torch.float32, device=device)
+
+
+@functools.cache
+def _one64(device: torch.device) -> torch.Tensor:
+    """A float64 one on ``device``, made once (``inverse`` divides it)."""
+    return torch.ones((), dtype=torch.float64, device=device)
+
+
+@functools.cache
+def _scratch(device: torch.device) -> torch.Tensor:
+    """A float32 flag on ``device`` that ``multiply_``'s kernel may raise and nobody reads."""
+    return torch.zeros((), dtype=torch.float32, device=device)

@@ -26,11 +26,12 @@ Nothing is modified before the ranks have agreed.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-from shardscale._check import Flags
+from shardscale._check import Flags, multiply_
 from shardscale._devices import move
 from shardscale._walk import GradGroups, NormKey
 
@@ -72,49 +73,83 @@ def by_device_dtype(groups: NormGroups) -> GradGroups:
     return merged
 
 
-def _norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """Per-tensor p-norms in float64, never overflowing for finite elements (module docstring)."""
+def _norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Per-tensor p-norms in float64, never overflowing for finite elements (module docstring).
+
+    On an accelerator a list of 0-dim tensors (one ``_foreach_norm``, stacked later with the
+    other groups' in one kernel); on the CPU one 1-D tensor.
+    """
     if grads[0].device.type != "cpu":
-        return torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float64))
+        return list(torch._foreach_norm(grads, norm_type, dtype=torch.float64))
     norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
     finite = norms.isfinite()
     if math.isinf(norm_type) or bool(finite.all()):  # a host read: free on the CPU
-        return norms.double()
+        return [norms.double()]
     redo = [i for i, ok in enumerate(finite.tolist()) if not ok]
     again = torch._foreach_norm([grads[i] for i in redo], norm_type, dtype=torch.float64)
     norms = norms.double()
     norms[redo] = torch.stack(again)
-    return norms
+    return [norms]
 
 
 def local_norms(
-    groups: NormGroups, norm_type: float, inv_scale: torch.Tensor, device: torch.device
+    groups: NormGroups,
+    norm_type: float,
+    inv_scale: torch.Tensor,
+    device: torch.device,
+    flags: Flags | None = None,
 ) -> tuple[torch.Tensor, Flags]:
     """Pass 1 (read only): this rank's share of the unscaled global norm, and overflow flags.
 
+    The per-tensor norms of every group with the same replica count are moved to ``device``
+    (a non-blocking copy from the CPU: CPU-offloaded gradients cost no device-to-host copy
+    here), stacked in one kernel, then unscaled and checked in one more (the check kernel,
+    which raises the flag of ``device`` where a norm is non-finite), then reduced in one (two
+    for p other than 1, 2 and inf). So the kernels per step grow with the number of
+    (device, dtype) groups (one ``_foreach_norm`` each), never with the number of tensors.
+
     Args:
         inv_scale: float32 scalar the gradients are still to be multiplied by.
-        device: where the share is returned.
+        device: where the share is returned, and where the flag is raised.
+        flags: flags to raise (the ballot's, so that the norms' check costs no kernel of its
+            own); new zero flags when None.
 
     Returns:
         ``(share, flags)``: ``share`` is ``sum |g * inv_scale|_p^p / r`` (the max for the
-        inf-norm) as a float32 scalar on ``device``, zero without gradient elements; ``flags``
-        holds a float32 scalar per device, 1.0 where a norm was non-finite.
+        inf-norm) as a float64 scalar on ``device`` (zero without gradient elements), non-finite
+        where a norm was; ``flags`` holds a float32 scalar for ``device``, 1.0 where a norm was
+        non-finite.
     """
-    share = torch.zeros((), dtype=torch.float64, device=device)
-    flags: Flags = {}
-    for (grad_device, _dtype, replicas), grads in groups.items():
-        norms = _norms(grads, norm_type)
-        flag = (~norms.isfinite()).any().float()
-        flags[grad_device] = (
-            flag if grad_device not in flags else torch.maximum(flags[grad_device], flag)
-        )
-        unscaled = norms * move(inv_scale, grad_device).double()
-        if math.isinf(norm_type):
-            share = torch.maximum(share, move(unscaled.amax(), device))
+    flags = {} if flags is None else flags
+    if device not in flags:
+        flags[device] = torch.zeros((), dtype=torch.float32, device=device)
+    pieces: dict[int, list[torch.Tensor]] = {}
+    for (_device, _dtype, replicas), grads in groups.items():
+        for norms in _norms(grads, norm_type):
+            pieces.setdefault(replicas, []).append(move(norms, device).reshape(-1))
+    share: torch.Tensor | None = None
+    inv = move(inv_scale, device)
+    for replicas, parts in pieces.items():
+        norms = torch.cat(parts) if len(parts) > 1 else parts[0]
+        torch._amp_foreach_non_finite_check_and_unscale_([norms], flags[device], inv)
+        if math.isinf(norm_type):  # a max: replicas need no weight
+            part = norms.amax()
         else:
-            share = share + move(unscaled.pow(norm_type).sum() / replicas, device)
-    return share.float(), flags
+            if norm_type == 2.0:
+                part = torch.dot(norms, norms)
+            elif norm_type == 1.0:
+                part = norms.sum()
+            else:
+                part = norms.pow(norm_type).sum()
+            if replicas != 1:
+                part = part / replicas
+        if share is None:
+            share = part
+        else:
+            share = torch.maximum(share, part) if math.isinf(norm_type) else share + part
+    if share is None:
+        share = torch.zeros((), dtype=torch.float64, device=device)
+    return share, flags
 
 
 def apply_(
@@ -122,19 +157,25 @@ def apply_(
     max_norm: float,
     total_norm: torch.Tensor,
     inv_scale: torch.Tensor | None,
+    found_inf: torch.Tensor,
 ) -> None:
     """Pass 2: multiply every gradient by ``inv_scale * min(1, max_norm / (total + 1e-6))``.
 
-    On the device, without a host synchronisation. A non-finite norm (an overflow: the step will
-    be skipped) only unscales, where torch would turn the gradients to NaN, so that locating the
-    overflow still sees the infs.
+    On the device, without a host synchronisation, in five scalar kernels and one per
+    (device, dtype) group. On an overflow (``found_inf`` 1.0: the step will be skipped) it only
+    unscales, where torch would turn the gradients to NaN, so that locating the overflow still
+    sees the infs. A norm that is non-finite without an overflow (p-th powers beyond float32's
+    range, p > 2) clips to zero, as torch does.
     """
-    coef = (max_norm / (total_norm + _CLIP_EPS)).clamp_(max=1.0)
-    factor = torch.where(total_norm.isfinite(), coef, torch.ones_like(coef))
+    coef = torch.div(_constant(max_norm, total_norm.device), total_norm + _CLIP_EPS)
+    # fmin/fmax ignore a NaN (a NaN norm: an overflow), so an overflow gives exactly 1.
+    factor = torch.fmax(torch.fmin(coef, _constant(1.0, coef.device)), found_inf)
     if inv_scale is not None:
         factor = factor * move(inv_scale, factor.device)
-    factors: dict[torch.device, torch.Tensor] = {}
-    for (device, _dtype, _replicas), grads in groups.items():
-        if device not in factors:
-            factors[device] = move(factor, device)
-        torch._foreach_mul_(grads, factors[device])
+    multiply_(by_device_dtype(groups), factor)
+
+
+@functools.lru_cache(maxsize=64)
+def _constant(value: float, device: torch.device) -> torch.Tensor:
+    """A float32 scalar ``value`` on ``device``, made once (``max_norm`` rarely changes)."""
+    return torch.full((), value, dtype=torch.float32, device=device)

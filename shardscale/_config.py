@@ -16,6 +16,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
+from shardscale._compat import check_group
 from shardscale._policy import ScalePolicy
 
 __all__ = ["ScalerConfig", "timeout_option"]
@@ -97,11 +98,7 @@ class ScalerConfig:
         _bool("enabled", self.enabled)
         _bool("dynamic", self.dynamic)
         _bool("locate_overflow", self.locate_overflow)
-        if self.process_group is not None and not isinstance(self.process_group, dist.ProcessGroup):
-            raise TypeError(
-                "process_group must be a torch.distributed.ProcessGroup or None, got "
-                f"{type(self.process_group).__name__}"
-            )
+        check_group(self.process_group)  # torch's DummyProcessGroup-like groups at size 1 too
         set_(self, "sync_timeout", timeout_option("sync_timeout", self.sync_timeout))
         if _int("verify_every", self.verify_every) < 0:
             raise ValueError(f"verify_every must be >= 0 (0: never), got {self.verify_every}")

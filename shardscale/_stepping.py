@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardscale._agree import Agreement, Verdict
-from shardscale._check import check_and_unscale_, multiply_
+from shardscale._check import check_and_unscale_, inverse, multiply_
 from shardscale._clip import apply_, by_device_dtype, local_norms, norm_flags_exact
 from shardscale._devices import move
 from shardscale._errors import ShardScaleWarning
@@ -34,11 +34,6 @@ from shardscale._walk import GradCache, GradWalk
 __all__ = ["Stepper", "combined", "inverse", "plain_replicas"]
 
 _CPU = torch.device("cpu")
-
-
-def inverse(scale: torch.Tensor) -> torch.Tensor:
-    """1/scale in float32, taken in float64 as torch's scalers do (bit for bit with them)."""
-    return scale.double().reciprocal().float()
 
 
 def combined(found_infs: list[torch.Tensor | None]) -> torch.Tensor:
@@ -182,7 +177,8 @@ class Stepper:
         group has confirmed that some rank did.
         """
         confirm = funcname if self.scale_unconfirmed else None
-        inv_scale = inverse(scale)
+        # Only gradients to unscale need it (a fused optimizer's are only checked).
+        inv_scale = inverse(scale) if to_unscale else None
         pending = book.take_pending()
         earlier = pending.records if pending is not None else []
         records = to_unscale + to_check + earlier
@@ -205,7 +201,8 @@ class Stepper:
             )
             if confirm:  # the group confirmed that some rank scaled: unscale now
                 self.scale_unconfirmed = False
-                multiply_(unscale_groups, inv_scale)
+                if inv_scale is not None:
+                    multiply_(unscale_groups, inv_scale)
         self._agreed_once = True
         for record in to_unscale:
             record.stage = Stage.UNSCALED
@@ -277,17 +274,22 @@ class Stepper:
             else:
                 device = next(iter(groups))[0] if groups else _CPU
                 inv_scale = torch.ones((), dtype=torch.float32, device=device)
-            share, norm_flags = local_norms(groups, norm_type, inv_scale, device)
-            flags = list(pending.flags) if pending is not None else []
-            if scale is not None:  # this pass is the check of still-scaled gradients
-                if not norm_flags_exact(groups, norm_type):
-                    norm_flags = check_and_unscale_(by_device_dtype(groups), None)
-                flags.extend(norm_flags.values())
             confirm = "clip_grad_norm_" if scale is not None and self.scale_unconfirmed else None
             holds = walk.holds or (pending is not None and pending.holds)
             ballot = self.agreement.ballot(
                 device, holds_grads=holds, has_scale=confirm is None, with_norm=True
             )
+            # The norms' check raises the ballot's own slot (no kernel of its own) where a
+            # non-finite norm means a non-finite element; otherwise the elements are checked.
+            exact = norm_flags_exact(groups, norm_type)
+            share, norm_flags = local_norms(
+                groups, norm_type, inv_scale, device, ballot.flags() if exact else None
+            )
+            flags = list(pending.flags) if pending is not None else []
+            if scale is not None:  # this pass is the check of still-scaled gradients
+                if not exact:
+                    norm_flags = check_and_unscale_(by_device_dtype(groups), None, ballot.flags())
+                flags.extend(norm_flags.values())
             verdict = self.agreement.agree(
                 ballot,
                 flags,
@@ -300,7 +302,13 @@ class Stepper:
             self.scale_unconfirmed = self.scale_unconfirmed and confirm is None
             self._agreed_once = True
             assert verdict.total_norm is not None
-            apply_(groups, max_norm, verdict.total_norm, None if scale is None else inv_scale)
+            apply_(
+                groups,
+                max_norm,
+                verdict.total_norm,
+                None if scale is None else inv_scale,
+                verdict.found_inf,
+            )
         if pending is not None and book is not None:
             book.agreed(pending.records, verdict.found_inf)
             self._locate_if_overflowed(verdict.found_inf, pending.records, step)

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardscale._compat import passes_itself
 from shardscale._config import timeout_option
 from shardscale._iteration import IterationBook, Stage
 from shardscale._optimizers import OptimizerTarget, steppables
@@ -176,9 +177,20 @@ class AsyncShardedGradScaler(ShardedGradScaler):
             self._stepper.unscale(iteration.book, optimizer, scale)
 
     def step(self, optimizer: OptimizerTarget, *args: Any, **kwargs: Any) -> Any:
-        """As :meth:`ShardedGradScaler.step`, for the oldest iteration not yet stepped."""
+        """As :meth:`ShardedGradScaler.step`, for the oldest iteration not yet stepped.
+
+        Raises:
+            NotImplementedError: the optimizer takes torch's deprecated ``grad_scaler=``.
+        """
         if not self._enabled or "closure" in kwargs:
             return super().step(optimizer, *args, **kwargs)
+        if passes_itself(optimizer):
+            raise NotImplementedError(
+                "AsyncShardedGradScaler does not pass itself to optimizer.step(grad_scaler=...) "
+                "(torch's deprecated protocol: the optimizer would read the scaler's state from "
+                "another iteration's thread); use an optimizer that takes grad_scale/found_inf "
+                "(torch's fused=True), or ShardedGradScaler"
+            )
         with self._serving(optimizer, "step") as iteration:
             scale = self._loss_scale_of(iteration, "step")
             result, _, _ = self._stepper.step(iteration.book, optimizer, scale, args, kwargs)
@@ -309,6 +321,25 @@ class AsyncShardedGradScaler(ShardedGradScaler):
             )
 
     # ------------------------------------------------------------------ reading the state
+
+    def _compat_book(self) -> IterationBook:
+        """The iteration torch's private views read: the oldest not yet resolved (the one a
+        step serves), else the one ``scale()`` feeds."""
+        with self._lock:
+            oldest = next((it for it in self._iterations if not it.resolved), None)
+            return oldest.book if oldest is not None else self._book
+
+    def _check_inf_per_device(self, optimizer: OptimizerTarget) -> dict[str, Any]:
+        """Refused: the check belongs to the step of the iteration it serves (its thread).
+
+        Raises:
+            NotImplementedError: always; ``step()`` checks and agrees by itself.
+        """
+        raise NotImplementedError(
+            "AsyncShardedGradScaler._check_inf_per_device() is refused: an iteration's check "
+            "and agreement run inside its step(), on the optimizer thread; read "
+            "_found_inf_per_device(optimizer) or last_step_skipped after it"
+        )
 
     @property
     def last_step_skipped(self) -> bool:

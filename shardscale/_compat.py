@@ -1,0 +1,223 @@
+"""torch's private surface, answered from our agreed state.
+
+Public code reads ``torch.amp.GradScaler``'s private members: skip detection sums
+``scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]``, trainers call
+``_found_inf_per_device``, torch's own tests call ``_unscale_grads_``, optimizers that take the
+deprecated ``step(grad_scaler=...)`` call ``_check_inf_per_device``. This module answers those
+reads for a :class:`~shardscale.ShardedGradScaler`.
+
+Invariant: every view answers with what the group AGREED (the flag every rank holds alike, after
+the step's one collective), never a rank's local verdict; and a view costs nothing until it is
+read: nothing here runs on a step that nobody reads it (no kernel, no host read, no dict built).
+A view that cannot be written as in torch refuses the write with an error naming what to use.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NoReturn
+
+import torch
+from torch.amp.grad_scaler import OptState
+
+from shardscale._check import Flags, check_and_unscale_
+from shardscale._iteration import IterationBook, OptimizerRecord
+from shardscale._optimizers import optimizer_params
+from shardscale._walk import GradCache
+
+__all__ = [
+    "GRAD_SCALER_WARNING",
+    "OptimizerStates",
+    "ReadOnlyDict",
+    "check_group",
+    "passes_itself",
+    "unscale_grads",
+]
+
+GRAD_SCALER_WARNING = (
+    "GradScaler is going to stop passing itself as a keyword argument to the passed "
+    "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+    "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly."
+)
+"""torch's FutureWarning, word for word, for optimizers whose step() takes ``grad_scaler``."""
+
+_READ_ONLY = (
+    "scaler._per_optimizer_states is a read-only view of shardscale's agreed state (the flag "
+    "every rank holds alike): it cannot be written. Drive it with unscale_(), step() and update()."
+)
+
+
+class ReadOnlyDict(dict[Any, Any]):
+    """A ``dict`` (it compares equal to one, as torch's states do) that refuses every write."""
+
+    def _refuse(self, *args: object, **kwargs: object) -> NoReturn:
+        raise TypeError(_READ_ONLY)
+
+    __setitem__ = __delitem__ = __ior__ = _refuse
+    clear = pop = popitem = setdefault = update = _refuse
+
+
+def _fresh_state() -> ReadOnlyDict:
+    """torch's ``_refresh_per_optimizer_state()``: what an optimizer not yet seen reads."""
+    return ReadOnlyDict(stage=OptState.READY, found_inf_per_device=ReadOnlyDict())
+
+
+class OptimizerStates(Mapping[Any, ReadOnlyDict]):
+    """``_per_optimizer_states``: per ``id(optimizer)``, its stage and its agreed flag.
+
+    Like torch's ``defaultdict``, an optimizer not seen in the iteration reads
+    ``{"stage": OptState.READY, "found_inf_per_device": {}}`` (without being inserted). The view
+    holds the iteration it was taken in: after ``update()`` the scaler starts a new one (and
+    ``scaler._per_optimizer_states`` reads it, empty), as torch replaces its dict in
+    ``update()``; a view kept from before still reads the old iteration, as torch's old dict.
+
+    Reading an optimizer whose ``unscale_()`` left its agreement for the next ``step()`` runs
+    that agreement now (one collective, as torch's sharded ``unscale_`` runs at once): read it on
+    every rank, as every rank runs the same code.
+    """
+
+    def __init__(self, book: IterationBook, settle: Callable[[IterationBook], None]) -> None:
+        self._book = book
+        self._settle = settle
+
+    def __getitem__(self, key: object) -> ReadOnlyDict:
+        record = self._book.records.get(key) if isinstance(key, int) else None
+        if record is None:
+            return _fresh_state()
+        pending = self._book.pending
+        if pending is not None and any(r is record for r in pending.records):
+            self._settle(self._book)
+        return state_of(record)
+
+    def get(self, key: object, default: Any = None) -> Any:
+        """As ``dict.get``: ``default`` for an optimizer not seen (no default state made)."""
+        if key not in self:
+            return default
+        return self[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._book.records
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(list(self._book.records))
+
+    def __len__(self) -> int:
+        return len(self._book.records)
+
+    def __setitem__(self, key: object, value: object) -> NoReturn:
+        raise TypeError(_READ_ONLY)
+
+    def __delitem__(self, key: object) -> NoReturn:
+        raise TypeError(_READ_ONLY)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({dict(self.items())!r})"
+
+
+def state_of(record: OptimizerRecord) -> ReadOnlyDict:
+    """torch's per-optimizer state for ``record``: stage, and ``{device: agreed flag}``."""
+    flags = (
+        ReadOnlyDict()
+        if record.found_inf is None
+        else ReadOnlyDict({record.found_inf.device: record.found_inf})
+    )
+    return ReadOnlyDict(stage=OptState[record.stage.name], found_inf_per_device=flags)
+
+
+def unscale_grads(
+    optimizer: torch.optim.Optimizer,
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+    allow_fp16: bool,
+) -> Flags:
+    """torch's ``GradScaler._unscale_grads_`` on our gradient walk: a local unscale and check.
+
+    Multiplies ``optimizer``'s local gradients (DTensor shards, FSDP1 flat shards, sparse
+    values, coalesced as torch does) by ``inv_scale`` and raises ``found_inf`` where any element
+    is inf/NaN: ``found_inf`` itself on its device, a copy of it on each other device holding
+    gradients. Like torch's, it involves no other rank and records nothing in the iteration.
+
+    Returns:
+        ``{device: flag}`` for each device holding gradients (empty when none has one).
+
+    Raises:
+        ValueError: ``allow_fp16`` is False and a gradient is float16 (torch's words).
+    """
+    params = tuple(optimizer_params(optimizer))
+    if not allow_fp16:
+        with torch._C.DisableTorchFunctionSubclass():
+            grads = [p.grad for p in params]
+        if any(g is not None and g.dtype == torch.float16 for g in grads):
+            raise ValueError("Attempting to unscale FP16 gradients.")
+    with torch.no_grad():
+        groups = GradCache().walk("compat", params).groups
+        flags: Flags = {found_inf.device: found_inf}
+        for device, _dtype in groups:
+            if device not in flags:
+                flags[device] = found_inf.to(device=device, copy=True)
+        check_and_unscale_(groups, inv_scale, flags)
+    return {device: flags[device] for device, _dtype in groups}
+
+
+_PASSES_ITSELF: dict[object, bool] = {}
+
+
+def passes_itself(optimizer: object) -> bool:
+    """Whether torch's scalers would call ``optimizer.step(grad_scaler=scaler)``: it declares
+    ``_step_supports_amp_scaling`` and its ``step()`` has a ``grad_scaler`` parameter.
+
+    One attribute read for most optimizers; the signature of a ``step`` is inspected once and
+    remembered (torch inspects it on every step).
+    """
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    step = getattr(optimizer, "step", None)
+    if step is None:
+        return False
+    key = getattr(step, "__func__", step)
+    known = _PASSES_ITSELF.get(key)
+    if known is None:
+        try:
+            known = "grad_scaler" in inspect.signature(step).parameters
+        except (TypeError, ValueError):  # a builtin without a signature
+            known = False
+        _PASSES_ITSELF[key] = known
+    return known
+
+
+def check_group(group: object) -> object:
+    """``process_group`` as torch's ShardedGradScaler accepts it; raise otherwise.
+
+    A ``torch.distributed.ProcessGroup`` (or None) is taken as it is. An object that only quacks
+    like one (``rank()`` and ``size()``: torch's ``DummyProcessGroup``) is taken at size 1, where
+    no collective is issued; at a larger size the scaler could not run its collective on it.
+
+    Raises:
+        TypeError: ``group`` is neither a ProcessGroup, nor None, nor has ``rank()``/``size()``.
+        ValueError: a duck-typed group's ``size()`` is not 1.
+    """
+    if group is None or isinstance(group, torch.distributed.ProcessGroup):
+        return group
+    rank, size = getattr(group, "rank", None), getattr(group, "size", None)
+    if not (callable(rank) and callable(size)):
+        raise TypeError(
+            "process_group must be a torch.distributed.ProcessGroup, None, or an object with "
+            "rank() and size() (like torch's DummyProcessGroup) of size 1, got "
+            f"{type(group).__name__}"
+        )
+    world_size = size()
+    if world_size != 1:
+        initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
+        hint = (
+            "pass a torch.distributed.ProcessGroup"
+            if initialised
+            else "torch.distributed is not initialised: call init_process_group() and pass a "
+            "torch.distributed.ProcessGroup"
+        )
+        raise ValueError(
+            f"a process_group that is not a torch.distributed.ProcessGroup (here "
+            f"{type(group).__name__}) must have size() == 1, where no collective is needed; "
+            f"{hint}. Got size() = {world_size!r}"
+        )
+    return group
