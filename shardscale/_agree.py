@@ -190,8 +190,10 @@ class Agreement:
             confirm_scale: the method being called (``"step"``...) on a rank that never called
                 ``scale()``, until the group confirms that some rank did (its ballot says it has
                 no scale); None otherwise.
-            norm_share: this rank's float32 share of a gradient norm (``_clip.local_norms``), to
-                travel in the same collective (the ballot was made ``with_norm``).
+            norm_share: this rank's share of a gradient norm (``_clip.local_norms``), to travel
+                in the same collective (the ballot was made ``with_norm``). It must be
+                non-finite wherever the ballot's own slot was raised (the check of the norms
+                raises it); flags from other checks (``local_flags``) make it inf here.
             norm_type: that norm's p (inf: the shares combine by max).
 
         Raises:
@@ -201,11 +203,23 @@ class Agreement:
         """
         votes = ballot.tensor
         slot = votes[_OVERFLOWED]
-        others = [flag for flag in local_flags if flag.data_ptr() != slot.data_ptr()]
-        if others:
-            slot.copy_(self._local_max([slot, *others], votes.device))
+        # The slot itself, told by being a view of the ballot at its offset (not by data_ptr:
+        # on the meta device, the CPU suite's stand-in for a GPU, every data_ptr is 0).
+        others = [
+            flag
+            for flag in local_flags
+            if not (flag._base is votes and flag.storage_offset() == slot.storage_offset())
+        ]
+        for flag in others:  # one kernel per other flag (devices, earlier checks), not per grad
+            torch.maximum(slot, move(flag, votes.device), out=slot)
         if norm_share is not None:
-            votes[_NORM].copy_(move(norm_share, votes.device))
+            share = move(norm_share, votes.device)
+            if others or math.isinf(norm_type):
+                # A flag that is not the norms' own (or a max, which NCCL may take NaN-blind)
+                # must still show in the norm: this share goes in as inf. Otherwise the slot
+                # was raised only where a norm was non-finite, so the share already is.
+                share = torch.where(slot > 0, math.inf, share)
+            votes[_NORM].copy_(share)
         summed = norm_share is not None and not math.isinf(norm_type)
         if self.world_size > 1:
             op = dist.ReduceOp.SUM if summed else dist.ReduceOp.MAX
@@ -228,11 +242,11 @@ class Agreement:
             found_inf = found_inf.clamp(max=1.0)  # a count of ranks: exactly 0/1 after this
         if norm_share is None:
             return Verdict(found_inf=move(found_inf, device))
-        total = votes[_NORM] if not summed else votes[_NORM].pow(1.0 / norm_type)
-        # An overflow must show in the norm on every rank, whatever the sums made of it.
-        total = torch.where(
-            (found_inf > 0) & total.isfinite(), torch.full_like(total, math.inf), total
-        )
+        total = votes[_NORM]
+        if summed and norm_type != 1.0:
+            total = total.pow(1.0 / norm_type)
+        # An overflow shows in the norm on every rank: the overflowing rank's share was
+        # non-finite (see above), and a sum or max with it is too.
         return Verdict(found_inf=move(found_inf, device), total_norm=move(total, device))
 
     def compare(self, fields: Mapping[str, float], device: torch.device, step: int) -> None:
@@ -339,12 +353,6 @@ class Agreement:
                 "scaler.step(), or stepped another optimizer). The process group cannot be "
                 "trusted after this: end the job (torchrun restarts it from the last checkpoint)."
             )
-
-    @staticmethod
-    def _local_max(local_flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-        if len(local_flags) == 1:
-            return move(local_flags[0], device)
-        return torch.stack([move(flag, device) for flag in local_flags]).amax()
 
 
 def _at(step: int | None) -> str:
