@@ -57,6 +57,7 @@ class _Block:
     tag: str
     prose: list[str] = field(default_factory=list)  # code replaced by CODE: what is searched
     shown: list[str] = field(default_factory=list)  # code in backticks: what is reported
+    unlinked: list[str] = field(default_factory=list)  # API names in code outside a link
 
 
 class _PageChecker(HTMLParser):
@@ -69,6 +70,7 @@ class _PageChecker(HTMLParser):
         self.stack: list[tuple[str, set[str]]] = []  # open tags with their classes
         self.blocks: list[_Block] = [_Block("document")]
         self.code: list[str] | None = None  # text of the inline code being read
+        self.code_links = False  # whether that code holds a link (`<code><a>Name</a></code>`)
 
     def _inside(self, tags: frozenset[str]) -> bool:
         return any(tag in tags for tag, _ in self.stack)
@@ -90,9 +92,12 @@ class _PageChecker(HTMLParser):
             self.findings.append(f"a <{tag}> loaded from the network: {src}")
         if tag in VOID:
             return
+        if tag == "a" and self.code is not None:
+            self.code_links = True
         self.stack.append((tag, classes))
         if tag == "code" and not self._inside(SKIPPED):
             self.code = []
+            self.code_links = False
         elif tag in BLOCKS:
             self.blocks.append(_Block(tag))
 
@@ -118,13 +123,11 @@ class _PageChecker(HTMLParser):
         name = name.removesuffix("()")
         if (
             name in self.api_names
+            and not self.code_links
             and self._in_class("doc-contents")
             and not self._inside(frozenset({"a"}) | HEADINGS)
         ):
-            self.findings.append(
-                f"`{text}` names an API object but does not link to it "
-                f"(write [`{text}`][] or [`{text}`][id] in the docstring)"
-            )
+            block.unlinked.append(text)
 
     def handle_data(self, data: str) -> None:
         if self._inside(SKIPPED):
@@ -142,7 +145,11 @@ class _PageChecker(HTMLParser):
             shown = shown[:200] + "..."
         if not prose.strip():
             return
-        problems = []
+        problems = [
+            f"`{text}` names an API object but does not link to it (write [`{text}`][] or "
+            f"[`{text}`][id] in the docstring)"
+            for text in block.unlinked
+        ]
         if ROLE.search(prose):
             problems.append(f"a reST role ({ROLE.search(prose)[0]})")  # type: ignore[index]
         if DIRECTIVE.search(prose):

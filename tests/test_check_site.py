@@ -49,6 +49,7 @@ API_PAGE = """<!doctype html><html><head><title>API</title>
 CLEAN_BODIES = {
     "linked names": '<a class="autorefs" href="#shardscale.Scaler.step"><code>step()</code></a> '
     'and <a href="#shardscale.Scaler"><code>Scaler</code></a>',
+    "a link inside code": '<code><a href="#shardscale.Scaler">Scaler</a></code> (a base)',
     "markup inside code": "<code>x[::2]</code>, <code>:meth:`a`</code>, <code>d[a][b]</code>",
     "a code block": '<div class="highlight"><pre><code>Example::\n  :meth:`step`\n'
     ".. code-block:: python\n[x][y]</code></pre></div>",
