@@ -7,6 +7,7 @@ not Markdown at all, so this reads the rendered HTML, as the reader gets it, for
 - reST/Sphinx leftovers in the text: roles (`:meth:`, `:class:`, `:func:`, `:attr:`, `:exc:`,
   `:mod:`, `:data:`, ...), a paragraph ending in `::` (a reST literal-block marker, `Example::`
   among them), directives (`.. code-block::`, `.. note::`);
+- a doctest outside an `Examples:` section (Markdown reads `>>>` as three block quotes);
 - cross-references left unrendered: a literal `[text][id]` in the text, an `<autoref>` element;
 - API names that do not link: inside a rendered docstring (mkdocstrings' `doc-contents`), inline
   code naming an object documented on that page (`ShardedGradScaler`, `find_nonfinite_grads`,
@@ -92,6 +93,11 @@ class _PageChecker(HTMLParser):
             self.findings.append(f"a <{tag}> loaded from the network: {src}")
         if tag in VOID:
             return
+        if tag == "blockquote" and sum(t == "blockquote" for t, _ in self.stack) == 2:
+            self.findings.append(
+                "block quotes three deep: a `>>>` doctest read as Markdown (put it under "
+                "`Examples:`)"
+            )
         if tag == "a" and self.code is not None:
             self.code_links = True
         self.stack.append((tag, classes))

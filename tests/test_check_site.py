@@ -68,6 +68,11 @@ BROKEN_BODIES = {
     "autoref leftover": ('<autoref identifier="x">x</autoref>', "an <autoref> element"),
     "unlinked class": ("raises <code>Scaler</code>", "`Scaler` names an API object"),
     "unlinked method": ("<code>Scaler.step()</code>", "`Scaler.step()` names an API object"),
+    "doctest as quotes": (
+        "</p><blockquote><blockquote><blockquote><p>x = 1</p></blockquote></blockquote>"
+        "</blockquote><p>",
+        "block quotes three deep",
+    ),
     "mermaid": ('</p><pre class="mermaid"><code>graph</code></pre><p>', "a mermaid diagram"),
     "remote script": (
         '<script src="https://cdn.example/m.js"></script>',
