@@ -12,6 +12,8 @@ not Markdown at all, so this reads the rendered HTML, as the reader gets it, for
 - API names that do not link: inside a rendered docstring (mkdocstrings' `doc-contents`), inline
   code naming an object documented on that page (`ShardedGradScaler`, `find_nonfinite_grads`,
   `ShardedGradScaler.step`, `shardscale.ScaleState`) outside a link;
+- on the home page, a code line wider than 80 characters (about what a code block shows in a
+  1280-pixel window: the first screen must not scroll sideways);
 - what needs a network: a mermaid block (its JS comes from a CDN), a script or image loaded
   from another host.
 Text inside code (`<code>`, `<pre>`) is not searched for markup: code may contain `::` or roles.
@@ -49,6 +51,7 @@ UNRENDERED_REF = re.compile(r"\[[^\[\]\n]*\]\[[^\[\]\n]*\]")
 CODE = "\x00"
 HEADINGS = frozenset({"h1", "h2", "h3", "h4", "h5", "h6"})
 BLOCKS = HEADINGS | {"p", "li", "dt", "dd", "td", "th", "blockquote", "summary", "div"}
+HOME_CODE_WIDTH = 80
 SKIPPED = frozenset({"script", "style", "pre", "textarea", "svg"})
 VOID = frozenset({"br", "col", "hr", "img", "input", "link", "meta", "source", "wbr"})
 
@@ -64,9 +67,11 @@ class _Block:
 class _PageChecker(HTMLParser):
     """Collect the findings of one page; `api_names` is filled by a first pass over its ids."""
 
-    def __init__(self, api_names: frozenset[str]) -> None:
+    def __init__(self, api_names: frozenset[str], max_code_width: int | None = None) -> None:
         super().__init__(convert_charrefs=True)
         self.api_names = api_names
+        self.max_code_width = max_code_width
+        self.pre: list[str] | None = None  # text of the code block being read
         self.findings: list[str] = []
         self.stack: list[tuple[str, set[str]]] = []  # open tags with their classes
         self.blocks: list[_Block] = [_Block("document")]
@@ -101,6 +106,8 @@ class _PageChecker(HTMLParser):
         if tag == "a" and self.code is not None:
             self.code_links = True
         self.stack.append((tag, classes))
+        if tag == "pre":
+            self.pre = []
         if tag == "code" and not self._inside(SKIPPED):
             self.code = []
             self.code_links = False
@@ -112,6 +119,8 @@ class _PageChecker(HTMLParser):
             return
         if tag == "code" and self.code is not None:
             self._end_code()
+        if tag == "pre" and self.pre is not None:
+            self._end_pre()
         while self.stack:
             open_tag, _ = self.stack.pop()
             if open_tag in BLOCKS:
@@ -135,7 +144,19 @@ class _PageChecker(HTMLParser):
         ):
             block.unlinked.append(text)
 
+    def _end_pre(self) -> None:
+        lines = "".join(self.pre or ()).splitlines()
+        self.pre = None
+        width = self.max_code_width
+        self.findings.extend(
+            f"a code line of {len(line)} characters (at most {width} here): {line.strip()}"
+            for line in lines
+            if width is not None and len(line) > width
+        )
+
     def handle_data(self, data: str) -> None:
+        if self.pre is not None:
+            self.pre.append(data)
         if self._inside(SKIPPED):
             return
         if self.code is not None:
@@ -193,9 +214,9 @@ def api_names(html: str) -> frozenset[str]:
     return frozenset(names)
 
 
-def check_page(html: str) -> list[str]:
-    """Every finding on one page, in page order."""
-    checker = _PageChecker(api_names(html))
+def check_page(html: str, *, home: bool = False) -> list[str]:
+    """Every finding on one page, in page order; `home`: the landing page."""
+    checker = _PageChecker(api_names(html), HOME_CODE_WIDTH if home else None)
     checker.feed(html)
     checker.close()
     return checker.findings
@@ -209,7 +230,9 @@ def check_site(site: Path) -> list[str]:
     return [
         f"{page.relative_to(site)}: {finding}"
         for page in pages
-        for finding in check_page(page.read_text(encoding="utf-8"))
+        for finding in check_page(
+            page.read_text(encoding="utf-8"), home=page == site / "index.html"
+        )
     ]
 
 

@@ -120,6 +120,23 @@ def test_check_site_leftover_markup_fails_naming_page(
     assert all(line.startswith("api/index.html: ") for line in findings), err
 
 
+@pytest.mark.parametrize(("width", "fails"), [(80, False), (81, True)])
+def test_check_site_home_code_width_over_80_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], width: int, fails: bool
+) -> None:
+    site = _site(tmp_path, "Fine.")
+    line = "x = 1  # " + "c" * (width - 9)
+    api_line = "y" * 120  # other pages may be wider
+    (site / "index.html").write_text(f"<html><body><pre><code>{line}\n</code></pre></body></html>")
+    (site / "api" / "index.html").write_text(
+        API_PAGE.replace("{body}", f"<pre><code>{api_line}</code></pre>")
+    )
+    returncode, _, err = _check(site, capsys)
+    assert returncode == int(fails), err
+    if fails:
+        assert f"index.html: a code line of {width} characters (at most 80 here)" in err
+
+
 def test_check_site_command_line_role_fails_with_page_and_text(tmp_path: Path) -> None:
     site = _site(tmp_path, "Optional: :meth:<code>step</code> unscales by itself.")
     result = subprocess.run(
