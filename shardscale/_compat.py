@@ -4,7 +4,7 @@ Public code reads ``torch.amp.GradScaler``'s private members: skip detection sum
 ``scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]``, trainers call
 ``_found_inf_per_device``, torch's own tests call ``_unscale_grads_``, optimizers that take the
 deprecated ``step(grad_scaler=...)`` call ``_check_inf_per_device``. This module answers those
-reads for a :class:`~shardscale.ShardedGradScaler`.
+reads for a `ShardedGradScaler`.
 
 Invariant: every view answers with what the group AGREED (the flag every rank holds alike, after
 the step's one collective), never a rank's local verdict; and a view costs nothing until it is

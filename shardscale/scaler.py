@@ -756,7 +756,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         return state.scale, state.growth_tracker
 
     def _lazy_init_scale_growth_tracker(self, dev: str | torch.device) -> None:
-        """Put the state on ``dev`` now rather than at the first :meth:`scale` (torch's private
+        """Put the state on ``dev`` now rather than at the first `scale()` (torch's private
         hook: accelerate calls it after loading a state dict for FSDP2). A no-op once there."""
         if self._enabled and self._device_state is None:
             device = torch.device(dev)
