@@ -105,13 +105,10 @@ def locate(
     mine: list[NonFiniteGrad] = []
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if counted:
-        with torch.no_grad():
-            counts = torch.stack(
-                [
-                    torch.stack((torch.isinf(v).sum(), torch.isnan(v).sum())).cpu()
-                    for _, v in counted
-                ]
-            ).tolist()  # one host read for all of them
+        # The stream waits for the agreement's collective: a host read now waits for it too,
+        # so bound that wait first (a late rank raises here, naming the step).
+        agreement.settle()
+        counts = _nonfinite_counts([values for _, values in counted])
         mine = [
             NonFiniteGrad(rank=rank, name=name, num_inf=int(infs), num_nan=int(nans))
             for (name, _), (infs, nans) in zip(counted, counts, strict=True)
@@ -119,6 +116,25 @@ def locate(
         ]
     gathered = agreement.gather_objects(mine, step, "their non-finite gradient records")
     return [record for records in gathered for record in cast(list[NonFiniteGrad], records)]
+
+
+def _nonfinite_counts(pieces: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """``(infs, NaNs)`` of each piece: counted where it lives, one host transfer per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, values in enumerate(pieces):
+        by_device.setdefault(values.device, []).append(i)
+    counts: list[tuple[int, int]] = [(0, 0)] * len(pieces)
+    with torch.no_grad():
+        for indices in by_device.values():
+            stacked = torch.stack(
+                [
+                    torch.stack((torch.isinf(pieces[i]).sum(), torch.isnan(pieces[i]).sum()))
+                    for i in indices
+                ]
+            )
+            for i, (infs, nans) in zip(indices, stacked.cpu().tolist(), strict=True):
+                counts[i] = (int(infs), int(nans))
+    return counts
 
 
 def find_nonfinite_grads(

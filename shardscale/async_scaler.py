@@ -36,7 +36,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -53,7 +53,22 @@ from shardscale._report import ScalerStats
 from shardscale._stepping import Stepper
 from shardscale.scaler import ShardedGradScaler
 
-__all__ = ["AsyncShardedGradScaler"]
+__all__ = ["AsyncShardedGradScaler", "on_device"]
+
+
+def on_device(device: torch.device) -> AbstractContextManager[object]:
+    """Make ``device`` the current one of its type on this thread, for the block.
+
+    The optimizer thread is a new thread, whose current CUDA device is 0 whatever the compute
+    thread set: the collectives' device, the stats copy's stream and anything else that follows
+    the current device would land on GPU 0 from every rank. No-op on the CPU, on ``meta`` and
+    for a device without an index.
+    """
+    if device.type in ("cpu", "meta") or device.index is None:
+        return nullcontext()
+    module = torch.get_device_module(device.type)
+    select = getattr(module, "device", None)
+    return nullcontext() if select is None else select(device.index)
 
 
 @dataclass(eq=False, slots=True)
@@ -101,6 +116,11 @@ class AsyncShardedGradScaler(ShardedGradScaler):
     Args:
         step_timeout: the longest wait (``timedelta`` or seconds) of ``scale()``,
             ``state_dict()`` and friends for an iteration's step to agree its flag. Default 600 s.
+        flag_backend: the backend of the scaler's own process group; None: its group's. On
+            NCCL pass ``"gloo"``: the optimizer thread then never runs NCCL kernels beside the
+            model's (docs/async.md), and a proper subgroup works with a bound device
+            (``init_process_group(device_id=...)``), where an NCCL group cannot be made by its
+            members alone. Costs one small host copy of the flag per step.
         **kwargs: as for :class:`ShardedGradScaler`, except ``verify_every`` (its collective
             would race with the optimizer thread's; call :meth:`verify_agreement` between
             iterations instead).
@@ -114,6 +134,7 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         device: str | torch.device | None = None,
         *,
         step_timeout: timedelta | float = 600.0,
+        flag_backend: str | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("verify_every", 0):
@@ -131,8 +152,13 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         self._opened = 0
         self._optimizer_id: int | None = None
         self._resolved_skip: torch.Tensor | None = None
+        if flag_backend is not None and not isinstance(flag_backend, str):
+            raise TypeError(
+                'flag_backend must be a backend name ("gloo") or None, got '
+                f"{type(flag_backend).__name__}"
+            )
         if dist.is_available() and dist.is_initialized():
-            self._agreement = self._agreement.dedicated()
+            self._agreement = self._agreement.dedicated(flag_backend)
         self._stepper = Stepper(
             self._agreement, locate_overflow=self._config.locate_overflow, defers_agreement=False
         )
@@ -174,7 +200,8 @@ class AsyncShardedGradScaler(ShardedGradScaler):
             return
         with self._serving(optimizer, "unscale_") as iteration:
             scale = self._loss_scale_of(iteration, "unscale_")
-            self._stepper.unscale(iteration.book, optimizer, scale)
+            with on_device(scale.device):
+                self._stepper.unscale(iteration.book, optimizer, scale)
 
     def step(self, optimizer: OptimizerTarget, *args: Any, **kwargs: Any) -> Any:
         """As :meth:`ShardedGradScaler.step`, for the oldest iteration not yet stepped.
@@ -193,7 +220,8 @@ class AsyncShardedGradScaler(ShardedGradScaler):
             )
         with self._serving(optimizer, "step") as iteration:
             scale = self._loss_scale_of(iteration, "step")
-            result, _, _ = self._stepper.step(iteration.book, optimizer, scale, args, kwargs)
+            with on_device(scale.device):  # a new thread's current CUDA device is 0
+                result, _, _ = self._stepper.step(iteration.book, optimizer, scale, args, kwargs)
         with self._lock:
             while self._iterations and self._iterations[0].resolved:
                 if not self._iterations[0].stepped:
@@ -346,7 +374,10 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         """Whether the most recently resolved iteration's step was skipped (on every rank)."""
         with self._lock:
             skip = self._resolved_skip
-        return bool(skip.item()) if skip is not None else False
+        if skip is None:
+            return False
+        self._agreement.settle()  # a host read of the agreed flag: bounded by sync_timeout
+        return bool(skip.item())
 
     @property
     def stats(self) -> ScalerStats:

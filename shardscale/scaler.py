@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
 from shardscale import _compat
-from shardscale._agree import Agreement
+from shardscale._agree import Agreement, state_fields
 from shardscale._checkpoint import Counters, ScalerState, parse_state_dict, to_state_dict
 from shardscale._clip import check_clip_args
 from shardscale._config import ScalerConfig
@@ -94,7 +94,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         sync_timeout: the longest wait (a ``timedelta`` or seconds) for the other ranks at the
             scaler's collectives; a rank that never arrives then raises
             :class:`ShardScaleDistributedError` naming the step. None: the process group's own
-            timeout (30 minutes by default).
+            timeout (torch's defaults: 30 minutes for gloo, 10 for NCCL). On NCCL it is counted
+            from the enqueue, so choose more than the longest step's GPU time (docs/reliability.md).
         verify_every: call :meth:`verify_agreement` every N steps (one small collective and
             one host sync each time). 0, the default: never.
         max_consecutive_skips: raise :class:`ShardScaleSkipError` (naming the step and the
@@ -461,6 +462,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """
         if isinstance(self._last_skip, torch.Tensor):
             # Read each time, never cached: a CUDA-graph replay updates this very tensor.
+            self._agreement.settle()  # bounded by sync_timeout, not by NCCL's own
             return bool(self._last_skip.item())
         return self._last_skip
 
@@ -471,6 +473,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         Identical on every rank; right for fused optimizers too (counted on the device). One
         host read of one small tensor (a synchronisation on an accelerator); no collective.
         """
+        # Settled first: the flush waits for a copy that follows the collective in flight.
+        self._agreement.settle()
         self._reporter.flush()
         if self._device_state is None:
             scale = self._host.scale.scale if self._enabled else 1.0
@@ -507,6 +511,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             return 1.0
         if self._device_state is None:
             return self._host.scale.scale
+        self._agreement.settle()
         return self._reporter.warn_if_at_floor(self._device_state, self.policy, self._steps)
 
     def verify_agreement(self) -> None:
@@ -523,9 +528,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """
         if not self._enabled or self._agreement.world_size == 1:
             return
-        state = self._device_state
-        device = torch.device("cpu") if state is None else state.scale.device
-        self._agreement.compare(to_state_dict(self._read_state()), device, self._steps)
+        state = self._host if self._device_state is None else self._device_state
+        names, values = state_fields(state, self.policy)
+        self._agreement.compare(values, names, self._steps)
 
     # ------------------------------------------------------------------ state
 
@@ -837,4 +842,5 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def _read_state(self) -> ScalerState:
         if self._device_state is None:
             return self._host
+        self._agreement.settle()  # a host read of agreed values: bounded by sync_timeout
         return self._device_state.read(self.policy)
