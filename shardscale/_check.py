@@ -16,7 +16,7 @@ import torch
 from shardscale._devices import move
 from shardscale._walk import GradGroups
 
-__all__ = ["Flags", "check_and_unscale_", "inverse", "multiply_"]
+__all__ = ["Flags", "check_and_unscale_", "inverse", "multiply_", "ones"]
 
 Flags = dict[torch.device, torch.Tensor]
 """One float32 scalar per device holding gradients: 1.0 where any element was non-finite."""
@@ -70,6 +70,12 @@ def inverse(scale: torch.Tensor) -> torch.Tensor:
     """
     out = torch.empty((), dtype=torch.float32, device=scale.device)
     return torch.div(_one64(scale.device), scale, out=out)
+
+
+def ones(device: torch.device) -> torch.Tensor:
+    """A float32 one on ``device``, made once per device: for a kernel that wants a factor but
+    has nothing to multiply by. Never modify it."""
+    return _ones(device)
 
 
 @functools.cache

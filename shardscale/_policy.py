@@ -212,22 +212,26 @@ class ScalePolicy:
             )
             scale.clamp_(min=self.min_scale, max=self.max_scale)
             return
-        found = found_inf > 0
-        clean = ~found
-        interval_done = clean & (growth_tracker + 1 >= self.growth_interval)
-        back_off = found & (hysteresis_tracker <= 1)
-        hysteresis_after = torch.where(
-            found & ~back_off,
+        # Hysteresis on top of torch's kernel, in 13 kernels: the kernel backs off or grows;
+        # an overflow still tolerated keeps the old scale (the kernel already zeroed the growth
+        # tracker, as the policy does); a growth (the tracker wrapped to 0 on a clean step)
+        # replenishes the allowance.
+        tolerated = (found_inf > 0) & (hysteresis_tracker > 1)
+        kept = scale.clone()
+        torch._amp_update_scale_(
+            scale,
+            growth_tracker,
+            found_inf,
+            self.growth_factor,
+            self.backoff_factor,
+            self.growth_interval,
+        )
+        torch.where(tolerated, kept, scale, out=scale)
+        scale.clamp_(min=self.min_scale, max=self.max_scale)
+        grew = (growth_tracker == 0) & (found_inf == 0)
+        torch.where(
+            tolerated,
             hysteresis_tracker - 1,
-            torch.where(interval_done, self.hysteresis, hysteresis_tracker),
+            torch.where(grew, self.hysteresis, hysteresis_tracker),
+            out=hysteresis_tracker,
         )
-        grown = (scale.double() * self.growth_factor).float()
-        grow = interval_done & grown.isfinite()
-        new_scale = torch.where(
-            back_off,
-            (scale.double() * self.backoff_factor).float().clamp_(min=self.min_scale),
-            torch.where(grow, grown.clamp_(max=self.max_scale), scale),
-        )
-        growth_tracker.copy_(torch.where(interval_done | found, 0, growth_tracker + 1))
-        hysteresis_tracker.copy_(hysteresis_after)
-        scale.copy_(new_scale)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardscale._agree import Agreement, Verdict
-from shardscale._check import check_and_unscale_, inverse, multiply_
+from shardscale._check import check_and_unscale_, inverse, multiply_, ones
 from shardscale._clip import apply_, by_device_dtype, local_norms, norm_flags_exact
 from shardscale._devices import move
 from shardscale._errors import ShardScaleWarning
@@ -273,7 +273,7 @@ class Stepper:
                 device, inv_scale = scale.device, inverse(scale)
             else:
                 device = next(iter(groups))[0] if groups else _CPU
-                inv_scale = torch.ones((), dtype=torch.float32, device=device)
+                inv_scale = ones(device)  # made once: no kernel per step
             confirm = "clip_grad_norm_" if scale is not None and self.scale_unconfirmed else None
             holds = walk.holds or (pending is not None and pending.holds)
             ballot = self.agreement.ballot(
