@@ -14,6 +14,7 @@ overflow was.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -120,15 +121,22 @@ class Stepper:
             item_records = [by_optimizer[id(leaf)] for leaf in item.leaves]
             found_inf = combined([r.found_inf for r in item_records])
             if all(takes_scale(leaf) for leaf in item.leaves):
-                results.append(_step_on_device(item, item_records, found_inf, scale, args, kwargs))
+                results.append(
+                    _step_on_device(
+                        item, item_records, found_inf, scale, args, kwargs, self.agreement.settle
+                    )
+                )
             else:
                 if id(found_inf) not in decisions:  # the step's one host synchronisation
+                    self.agreement.settle()  # bounded by sync_timeout, not by the backend's
                     decisions[id(found_inf)] = bool(found_inf.item())
                 skipped = decisions[id(found_inf)]
                 results.append(
                     None
                     if skipped
-                    else _step_on_device(item, item_records, found_inf, scale, args, kwargs)
+                    else _step_on_device(
+                        item, item_records, found_inf, scale, args, kwargs, self.agreement.settle
+                    )
                 )
             for record in item_records:
                 record.stage = Stage.STEPPED
@@ -343,7 +351,10 @@ class Stepper:
         self, found_inf: torch.Tensor, records: list[OptimizerRecord], step: int
     ) -> None:
         """With ``locate_overflow``: on an overflow step, find and log the non-finite grads."""
-        if not (self._locate_overflow and records and found_inf.item()):  # same on every rank
+        if not (self._locate_overflow and records):
+            return
+        self.agreement.settle()  # a host read of the agreed flag: bounded by sync_timeout
+        if not found_inf.item():  # same on every rank
             return
         self.last_overflow = locate(
             (pair for record in records for pair in optimizer_named_params(record.optimizer)),
@@ -360,6 +371,7 @@ def _step_on_device(
     scale: torch.Tensor,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    settle: Callable[[], None],
 ) -> Any:
     """Step ``item``, handing every fused optimizer in it the scale and the agreed flag.
 
@@ -373,6 +385,8 @@ def _step_on_device(
     a missed skip: inf in CPU-offloaded master weights). So the copy to the CPU is made here,
     blocking: one device-to-host copy per step and CPU device, the price of a CPU kernel that
     needs a device value. Where the tensors are already on the parameters' device: no copy.
+    ``settle`` (the agreement's) runs before a copy to the CPU, which reads the agreed flag and
+    must not wait unbounded for a collective still in flight.
     """
     handed = []
     moved: dict[tuple[torch.device, int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -388,6 +402,8 @@ def _step_on_device(
         if device is not None:
             key = (device, id(grad_scale), id(found_inf))
             if key not in moved:
+                if device.type == "cpu" and found_inf.device.type != "cpu":
+                    settle()
                 moved[key] = _to_device(grad_scale, found_inf, device)
             grad_scale, leaf_found_inf = moved[key]
         else:

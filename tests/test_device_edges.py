@@ -55,11 +55,13 @@ class _DeviceCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is aten._local_scalar_dense.default and args[0].device == META:
             self.reads += 1
+            self.log.append(("read", None))
             return self.value if args[0].dtype.is_floating_point else int(self.value)
         if func is aten._to_copy.default and args[0].device == META:
             target = torch.device(kwargs.get("device") or META)
             if target.type == "cpu":
                 self.copies.append(bool(kwargs.get("non_blocking", False)))
+                self.log.append(("to_cpu", None))
                 dtype = kwargs.get("dtype") or args[0].dtype
                 return torch.full(args[0].shape, self.value, dtype=dtype)
         if func is aten.copy_.default and args[1].device == META and args[0].device.type == "cpu":
@@ -331,3 +333,72 @@ def test_harness_nccl_ranks_create_communicator_eagerly(
         )
         assert results.get_nowait() == (1, True, 1)
         assert calls.pop()["device_id"] == device_id
+
+
+# ---------------------------------------------------------------- reads bounded by sync_timeout
+
+
+@pytest.fixture
+def settles(monkeypatch: pytest.MonkeyPatch) -> _DeviceCounter:
+    """A counter whose log also shows each ``Agreement.settle()`` call."""
+    from shardscale._agree import Agreement
+
+    counter = _DeviceCounter()
+    monkeypatch.setattr(Agreement, "settle", lambda self: counter.log.append(("settle", None)))
+    return counter
+
+
+def _each_host_sync_settled_first(log: list[tuple[str, object]]) -> bool:
+    syncs = [i for i, (what, _) in enumerate(log) if what in ("read", "to_cpu")]
+    return bool(syncs) and all(log[i - 1][0] == "settle" for i in syncs)
+
+
+def test_step_plain_decision_read_settles_the_collective_first(settles: _DeviceCounter) -> None:
+    scaler = ShardedGradScaler(locate_overflow=True)
+    with settles:
+        scaler.scale(torch.ones((), device=META))
+        scaler.step(_PlainSpy(_params(META)))  # the locate read, then the decision read
+    assert settles.reads == 2
+    assert _each_host_sync_settled_first(settles.log)
+
+
+def test_step_fused_copy_to_cpu_settles_the_collective_first(settles: _DeviceCounter) -> None:
+    scaler = ShardedGradScaler()
+    with settles:
+        scaler.scale(torch.ones((), device=META))
+        scaler.step(_FusedSpy(_params(torch.device("cpu"))))
+    assert settles.copies == [False]
+    assert _each_host_sync_settled_first(settles.log)
+
+
+def test_accelerate_step_was_skipped_settles_the_collective_first(
+    settles: _DeviceCounter,
+) -> None:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from shardscale.integrations.accelerate import use_shardscale
+
+    AcceleratorState._reset_state(True)  # accelerate's state is one per process
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+    scaler = use_shardscale(accelerator)
+    optimizer = accelerator.prepare(_FusedSpy(_params(META)))
+    with settles:
+        scaler.scale(torch.ones((), device=META))
+        optimizer.step()
+        assert optimizer.step_was_skipped is False
+    assert settles.reads == 1
+    assert _each_host_sync_settled_first(settles.log)
+
+
+def test_stats_settles_before_waiting_for_the_copy_in_flight(
+    cuda_stubs: _CudaStubs, settles: _DeviceCounter
+) -> None:
+    scaler = ShardedGradScaler(max_consecutive_skips=100)  # someone listens: copies in flight
+    settles.log = cuda_stubs.log
+    with settles:
+        _scaled_on_meta(scaler, _FusedSpy(_params(META)))
+        start = len(settles.log)
+        assert scaler.stats.steps == 0  # meta's stand-in values
+    after = [what for what, _ in settles.log[start:]]
+    assert after.index("settle") < after.index("synchronize")
