@@ -3,11 +3,12 @@
 On the ``meta`` device every ``device.type != "cpu"`` branch of the scaler runs (kernels run as
 shape functions), so what a step costs on a GPU can be counted here, per step, exactly:
 
-* **host reads**: ``aten._local_scalar_dense`` of a meta tensor (``.item()``, ``.tolist()``,
-  ``bool()``): each one stalls the host until the device queue has drained. Meta has no
-  values, so the counter answers with ``value`` (default 0: a clean step).
+* **host reads**: ``aten._local_scalar_dense`` of a meta tensor (``.item()``, ``bool()``): each
+  one stalls the host until the device queue has drained. Meta has no values, so the counter
+  answers with ``value`` (default 0: a clean step).
 * **device->host copies**: ``_to_copy`` / ``copy_`` from meta to the CPU, blocking (a stall,
-  like a read) or ``non_blocking`` (into pinned memory, waited for by an event).
+  like a read: ``.cpu()``, and ``.tolist()``, which copies first) or ``non_blocking`` (into
+  pinned memory, waited for by an event).
 * **host->device copies**: ``_to_copy`` / ``copy_`` from the CPU to meta (never a stall).
 * **device kernels**: every other aten op that reads or writes a meta tensor's data: pointwise
   maths, reductions, ``_foreach_*`` (ONE per call: on CUDA ``multi_tensor_apply`` launches one
