@@ -15,6 +15,7 @@ counted here; at world size 1 ``verify_every`` is a no-op, which its row pins.
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 from typing import Any
 
@@ -234,3 +235,53 @@ def test_benchmarks_script_counts_like_the_suite(flavour: str, clip: bool) -> No
     for scaler, measured in (("shardscale", counts), ("torch.amp.GradScaler", torch_counts)):
         copies = measured.d2h_blocking + measured.d2h_async
         assert printed[(scaler, pattern)] == (measured.host_reads, copies, measured.kernels)
+
+
+# ---------------------------------------------------------------- what the kernel cuts keep
+
+
+def test_clip_norm_shows_an_overflow_only_an_earlier_unscale_saw() -> None:
+    """The share is forced to inf before the collective when a flag is not the norms' own."""
+    from torch import nn
+
+    from shardscale import ShardedGradScaler
+
+    a, b = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4))
+    opt_a, opt_b = torch.optim.SGD([a], lr=0.1), torch.optim.SGD([b], lr=0.1)
+    scaler = ShardedGradScaler(init_scale=4.0)
+    for step in range(2):  # the second step defers unscale_'s agreement to the clip
+        scaler.scale(torch.ones(()))
+        a.grad = torch.full((4,), math.inf if step == 1 else 1.0)
+        b.grad = torch.ones(4)
+        scaler.unscale_(opt_a)
+        norm = scaler.clip_grad_norm_([b], 1.0)
+        scaler.step(opt_a)
+        scaler.step(opt_b)
+        scaler.update()
+    assert not math.isfinite(norm.item())
+    assert scaler.last_step_skipped
+    assert torch.equal(b.grad, torch.full((4,), 0.25))  # only unscaled: the step is skipped
+
+
+def test_clip_factor_and_inverse_match_the_reference_arithmetic() -> None:
+    """inverse() is torch's float64 reciprocal rounded once; the clip factor min(1, m/(n+eps))."""
+    from torch import nn
+
+    from shardscale import ShardedGradScaler
+    from shardscale._check import inverse
+
+    for value in (3.0, 2.0**16, 1.5**40, 7.0e-3):
+        scale = torch.tensor(value)
+        assert torch.equal(inverse(scale), scale.double().reciprocal().float())
+    grads = [torch.full((3,), 2.0), torch.full((5,), -1.0)]
+    params = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    scaler = ShardedGradScaler(init_scale=8.0)
+    scaler.scale(torch.ones(()))
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g * 8.0
+    norm = scaler.clip_grad_norm_(params, 0.5)
+    expected = math.sqrt(3 * 4.0 + 5 * 1.0)
+    assert norm.item() == pytest.approx(expected, rel=1e-7)
+    factor = 0.5 / (norm.item() + 1e-6)
+    for p, g in zip(params, grads, strict=True):
+        torch.testing.assert_close(p.grad, g * factor, rtol=1e-6, atol=0)
