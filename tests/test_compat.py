@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch.amp.grad_scaler import OptState
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchShardedGradScaler
+from torch.distributed.tensor import DTensor
 
-from shardscale import AsyncShardedGradScaler, ShardedGradScaler, _compat
+from shardscale import AsyncShardedGradScaler, ShardedGradScaler, _compat, count_collectives
 from tests import setups
 from tests.harness import run_ranks
 
@@ -401,3 +402,30 @@ def _rank_protocol_check_agrees(rank: int, world_size: int) -> list[Any]:
 
 def test_grad_scaler_protocol_check_agrees_on_every_rank() -> None:
     assert run_ranks(_rank_protocol_check_agrees, 2) == [["skipped", 1.0, 2.0]] * 2
+
+
+def _rank_unscale_grads_local_on_dtensor_shards(rank: int, world_size: int) -> list[Any]:
+    """torch's ``_unscale_grads_`` on FSDP2's DTensor gradients: each rank's own shard, no
+    collective (as torch's), so only the rank that holds the inf raises its flag."""
+    setup = setups.build("fsdp2", "foreach", world_size)
+    setup.loss(0, rank).backward()
+    if rank == 1:
+        setups.plant(setup.optimizer, math.inf)
+    params = [p for group in setup.optimizer.param_groups for p in group["params"]]
+    before = [p.grad.to_local().clone() for p in params if isinstance(p.grad, DTensor)]
+    scaler = ShardedGradScaler()
+    with count_collectives() as counts:
+        flags = scaler._unscale_grads_(setup.optimizer, torch.full((1,), 0.5), torch.zeros(1))
+    after = [p.grad.to_local() for p in params if isinstance(p.grad, DTensor)]
+    halved = bool(after) and all(
+        torch.equal(a[a.isfinite()], (b * 0.5)[a.isfinite()])
+        for a, b in zip(after, before, strict=True)
+    )
+    return [sum(v.item() for v in flags.values()), halved, sum(counts.values())]
+
+
+def test_unscale_grads_on_fsdp2_shards_is_local_as_torchs() -> None:
+    assert run_ranks(_rank_unscale_grads_local_on_dtensor_shards, 2) == [
+        [0.0, True, 0],
+        [1.0, True, 0],
+    ]
