@@ -72,6 +72,9 @@ class Stepper:
         # same collective, so "defer unscale_'s agreement" is decided alike everywhere.
         self._agreed_once = False
         self._warned_plain_replicas = False
+        # The agreed flag ``locate_overflow`` read in this step() call, and its value: the
+        # step's decision then needs no second read.
+        self._flag_read: tuple[torch.Tensor, bool] | None = None
 
     # ------------------------------------------------------------------ unscale_ and step
 
@@ -106,6 +109,7 @@ class Stepper:
             the host read it, else the agreed device flag), and the records stepped.
         """
         items = steppables(target)
+        self._flag_read = None  # a read from another call may predate a replay: not reused
         records, adopted = book.begin_step(leaf for item in items for leaf in item.leaves)
         self._locate_adopted(book, adopted)
         ready = [record for record in records if record.stage is Stage.READY]
@@ -127,9 +131,13 @@ class Stepper:
                     )
                 )
             else:
-                if id(found_inf) not in decisions:  # the step's one host synchronisation
-                    self.agreement.settle()  # bounded by sync_timeout, not by the backend's
-                    decisions[id(found_inf)] = bool(found_inf.item())
+                if id(found_inf) not in decisions:
+                    known = self._flag_read
+                    if known is not None and known[0] is found_inf:  # locate_overflow read it
+                        decisions[id(found_inf)] = known[1]
+                    else:  # the step's one host synchronisation
+                        self.agreement.settle()  # bounded by sync_timeout, not the backend's
+                        decisions[id(found_inf)] = bool(found_inf.item())
                 skipped = decisions[id(found_inf)]
                 results.append(
                     None
@@ -354,7 +362,9 @@ class Stepper:
         if not (self._locate_overflow and records):
             return
         self.agreement.settle()  # a host read of the agreed flag: bounded by sync_timeout
-        if not found_inf.item():  # same on every rank
+        overflowed = bool(found_inf.item())  # same on every rank
+        self._flag_read = (found_inf, overflowed)
+        if not overflowed:
             return
         self.last_overflow = locate(
             (pair for record in records for pair in optimizer_named_params(record.optimizer)),

@@ -354,12 +354,16 @@ def _each_host_sync_settled_first(log: list[tuple[str, object]]) -> bool:
 
 
 def test_step_plain_decision_read_settles_the_collective_first(settles: _DeviceCounter) -> None:
-    scaler = ShardedGradScaler(locate_overflow=True)
-    with settles:
-        scaler.scale(torch.ones((), device=META))
-        scaler.step(_PlainSpy(_params(META)))  # the locate read, then the decision read
-    assert settles.reads == 2
-    assert _each_host_sync_settled_first(settles.log)
+    for locate_overflow in (False, True):
+        scaler = ShardedGradScaler(locate_overflow=locate_overflow)
+        settles.reads = 0
+        settles.log.clear()
+        with settles:
+            scaler.scale(torch.ones((), device=META))
+            # the decision read; with locate_overflow, its read (the decision reuses it)
+            scaler.step(_PlainSpy(_params(META)))
+        assert settles.reads == 1
+        assert _each_host_sync_settled_first(settles.log)
 
 
 def test_step_fused_copy_to_cpu_settles_the_collective_first(settles: _DeviceCounter) -> None:

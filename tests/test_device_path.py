@@ -104,8 +104,13 @@ def test_fused_step_with_or_without_clip_no_host_read_no_device_to_host_copy(cli
 
 @pytest.mark.parametrize(
     "case",
-    [Case("plain"), Case("plain", clip=True), Case("plain", unscale_first=True)],
-    ids=["step", "clip", "unscale_"],
+    [
+        Case("plain"),
+        Case("plain", clip=True),
+        Case("plain", unscale_first=True),
+        Case("plain", {"locate_overflow": True}),
+    ],
+    ids=["step", "clip", "unscale_", "locate_overflow"],
 )
 def test_plain_step_at_most_one_host_read_no_copy(case: Case) -> None:
     counts = measure(case)
