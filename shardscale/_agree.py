@@ -1,25 +1,27 @@
 """Agreement: the one collective that makes every rank take the same skip/step decision.
 
-(And the rarer ones that check agreement, ``compare``: every collective the scaler issues lives
+(And the rarer ones that check agreement, `compare`: every collective the scaler issues lives
 here, bounded by the same timeout.)
 
-Invariant: every rank of the group sees the same ``found_inf`` before ``optimizer.step()``.
+Invariant: every rank of the group sees the same `found_inf` before `optimizer.step()`.
 
 Each rank writes what it saw into ONE small float32 tensor, its *ballot*, on the group's
-communication device, and the group runs ONE ``all_reduce`` on it, however many devices,
-dtypes and optimizers hold the gradients::
+communication device, and the group runs ONE `all_reduce` on it, however many devices,
+dtypes and optimizers hold the gradients:
 
-    [holds gradients, overflowed, has a scale, norm share]
+```text
+[holds gradients, overflowed, has a scale, norm share]
+```
 
 * holds gradients: 0 for an empty shard, or a rank that ran no backward;
 * overflowed: 1 if an inf or NaN is in this rank's gradients;
-* has a scale: 0 for a rank that never called ``scale()`` (a pipeline stage before the last),
+* has a scale: 0 for a rank that never called `scale()` (a pipeline stage before the last),
   until the group has confirmed that some rank does;
-* norm share: this rank's part of a global gradient norm (``clip_grad_norm_`` only).
+* norm share: this rank's part of a global gradient norm (`clip_grad_norm_` only).
 
 The reduction is MAX, or SUM when a finite p-norm travels (its shares add up; the flags then
-count, and ``found_inf = min(overflowed, 1)``). Either way ``found_inf`` is exactly 0.0 or 1.0:
-torch's fused optimizers skip only when ``found_inf == 1.0``, so a summed flag of 2.0 (two ranks
+count, and `found_inf = min(overflowed, 1)`). Either way `found_inf` is exactly 0.0 or 1.0:
+torch's fused optimizers skip only when `found_inf == 1.0`, so a summed flag of 2.0 (two ranks
 overflowed) would make them step with inf gradients.
 
 Only a rank that lacks something reads the result on the host (one synchronisation): a rank
@@ -29,8 +31,8 @@ the host.
 
 Without an initialised process group, or with a world size of 1, no collective is issued.
 
-With a ``timeout``, a rank that never arrives (it crashed, hung, or took another code path) makes
-the others raise ``ShardScaleDistributedError`` within that time instead of waiting out the
+With a `timeout`, a rank that never arrives (it crashed, hung, or took another code path) makes
+the others raise [`ShardScaleDistributedError`][] within that time instead of waiting out the
 process group's own timeout (torch's defaults: 30 minutes for gloo, 10 for NCCL). The error says
 what happened, decided by the clock and by what the backend raised, not by one backend's
 wording: *late* (the wait ran out, or the backend reports a timeout: gloo's "Timed out", NCCL's
@@ -40,7 +42,7 @@ Where the host must wait anyway (a CPU ballot; gloo, which stages device tensors
 host) the wait is bounded there, at the collective. On an accelerator backend (NCCL) waiting
 on the host would turn every fused step into a host synchronisation, so the collective is only
 made to wait on the device's stream; the bound, counted from the enqueue as NCCL counts it, is
-enforced at this agreement's next collective or at ``settle()``, which every host read of an
+enforced at this agreement's next collective or at `settle()`, which every host read of an
 agreed value calls first.
 """
 
@@ -76,7 +78,7 @@ _HOLDS, _OVERFLOWED, _SCALED, _NORM = range(4)
 
 @dataclass(frozen=True, slots=True)
 class Ballot:
-    """What this rank puts into the collective: ``[holds, overflowed, has a scale, norm]``."""
+    """What this rank puts into the collective: `[holds, overflowed, has a scale, norm]`."""
 
     tensor: torch.Tensor
     holds_grads: bool
@@ -105,8 +107,8 @@ def _device_of_type(device_type: str) -> torch.device:
 
 
 def _bound_device(group: dist.ProcessGroup) -> torch.device | None:
-    """The accelerator ``group`` (or the default group, whose binding new groups inherit) is
-    bound to by ``init_process_group(device_id=...)``: where its communicator lives."""
+    """The accelerator `group` (or the default group, whose binding new groups inherit) is
+    bound to by `init_process_group(device_id=...)`: where its communicator lives."""
     for candidate in (group, dist.group.WORLD if dist.is_available() else None):
         bound = getattr(candidate, "bound_device_id", None)
         if bound is not None:
@@ -115,10 +117,10 @@ def _bound_device(group: dist.ProcessGroup) -> torch.device | None:
 
 
 def _waits_on_host(group: dist.ProcessGroup | None, device: torch.device) -> bool:
-    """Whether waiting for a collective on ``device`` blocks the host until it is done.
+    """Whether waiting for a collective on `device` blocks the host until it is done.
 
     True on the CPU, and for backends that stage device tensors through the host (gloo, MPI);
-    False for accelerator backends (NCCL and its kind), whose ``Work.wait()`` only makes the
+    False for accelerator backends (NCCL and its kind), whose `Work.wait()` only makes the
     current stream wait. A backend that cannot be asked is taken as host-waiting: the bounded
     host wait is always correct, only slower.
     """
@@ -153,13 +155,13 @@ class _InFlight:
 
     work: dist.Work
     enqueued: float
-    """``time.monotonic()`` at enqueue: NCCL counts its timeout from there too."""
+    """`time.monotonic()` at enqueue: NCCL counts its timeout from there too."""
     step: int | None
     what: str
 
 
 def _group_device_types(group: dist.ProcessGroup) -> list[str]:
-    """The device types ``group`` can run collectives on, in its backend's order."""
+    """The device types `group` can run collectives on, in its backend's order."""
     device_types = getattr(group, "_device_types", None)
     if device_types:
         return [torch.device(t).type for t in device_types]
@@ -174,7 +176,7 @@ class Agreement:
 
     Args:
         process_group: the group whose ranks must agree; None means the default (world) group,
-            looked up at the first step so a scaler may be built before ``init_process_group``.
+            looked up at the first step so a scaler may be built before `init_process_group`.
     """
 
     def __init__(
@@ -213,13 +215,13 @@ class Agreement:
         return self._world_size
 
     def comm_device(self, preferred: torch.device) -> torch.device:
-        """Where a collective for tensors on ``preferred`` travels.
+        """Where a collective for tensors on `preferred` travels.
 
-        ``preferred`` itself if the group runs its device type. Otherwise (a CPU-preferred
-        collective on an NCCL group: ``locate_overflow``'s gathers, ``verify_agreement`` of a
+        `preferred` itself if the group runs its device type. Otherwise (a CPU-preferred
+        collective on an NCCL group: `locate_overflow`'s gathers, `verify_agreement` of a
         CPU state, CPU-offloaded gradients) never trust the current device alone (it is 0 on a
-        new thread and in scripts that never call ``set_device``): the group's bound device
-        (``init_process_group(device_id=...)``), else the scale's device (where this agreement's
+        new thread and in scripts that never call `set_device`): the group's bound device
+        (`init_process_group(device_id=...)`), else the scale's device (where this agreement's
         ballots were made), else this thread's current device of the group's type.
         """
         comm = self._comm_devices.get(preferred)
@@ -248,10 +250,10 @@ class Agreement:
     def ballot(
         self, device: torch.device, *, holds_grads: bool, has_scale: bool, with_norm: bool = False
     ) -> Ballot:
-        """A fresh ballot on the communication device for ``device``, overflow slot at 0.
+        """A fresh ballot on the communication device for `device`, overflow slot at 0.
 
-        The local check raises the overflow slot itself (:meth:`Ballot.flags`), so the flag of
-        gradients on that device costs no extra kernel. One copy kernel, no host transfer.
+        The local check raises the overflow slot itself ([`Ballot.flags()`][Ballot.flags]), so the
+        flag of gradients on that device costs no extra kernel. One copy kernel, no host transfer.
         """
         comm = self.comm_device(device)
         template = _ballot_template(comm, holds_grads, has_scale, with_norm)
@@ -271,26 +273,26 @@ class Agreement:
         """Combine this rank's ballot with every other rank's, in one collective.
 
         Args:
-            ballot: from :meth:`ballot`, its overflow slot raised by the local check where the
+            ballot: from [`ballot()`][ballot], its overflow slot raised by the local check where the
                 gradients are on its device.
             local_flags: float32 scalar flags of local checks, on any device (1.0: an element
                 was non-finite): those of other devices than the ballot's, and of checks made
-                before the ballot (``unscale_``); the ballot's own slot may be among them.
+                before the ballot (`unscale_`); the ballot's own slot may be among them.
             device: the scale's device, where the verdict's tensors are returned.
             step: the step being taken, for error messages.
-            confirm_scale: the method being called (``"step"``...) on a rank that never called
-                ``scale()``, until the group confirms that some rank did (its ballot says it has
+            confirm_scale: the method being called (`"step"`...) on a rank that never called
+                `scale()`, until the group confirms that some rank did (its ballot says it has
                 no scale); None otherwise.
-            norm_share: this rank's share of a gradient norm (``_clip.local_norms``), to travel
-                in the same collective (the ballot was made ``with_norm``). It must be
+            norm_share: this rank's share of a gradient norm (`_clip.local_norms`), to travel
+                in the same collective (the ballot was made `with_norm`). It must be
                 non-finite wherever the ballot's own slot was raised (the check of the norms
-                raises it); flags from other checks (``local_flags``) make it inf here.
+                raises it); flags from other checks (`local_flags`) make it inf here.
             norm_type: that norm's p (inf: the shares combine by max).
 
         Raises:
-            RuntimeError: no rank holds any gradient, or (``confirm_scale``) no rank ever called
-                ``scale()``: every rank raises together, torch's words.
-            ShardScaleDistributedError: a rank did not arrive within ``timeout``, or left.
+            RuntimeError: no rank holds any gradient, or (`confirm_scale`) no rank ever called
+                `scale()`: every rank raises together, torch's words.
+            ShardScaleDistributedError: a rank did not arrive within `timeout`, or left.
         """
         votes = ballot.tensor
         slot = votes[_OVERFLOWED]
@@ -343,7 +345,7 @@ class Agreement:
         return Verdict(found_inf=move(found_inf, device), total_norm=move(total, device))
 
     def compare(self, values: torch.Tensor, names: Sequence[str], step: int) -> None:
-        """Check that every rank holds the same ``values``, in one all_gather.
+        """Check that every rank holds the same `values`, in one all_gather.
 
         Args:
             values: float64, one per name, on any device (the scale's: no host round trip).
@@ -386,9 +388,9 @@ class Agreement:
             )
 
     def gather_objects(self, obj: object, step: int | None, what: str) -> list[object]:
-        """Every rank's ``obj`` (picklable), in rank order: ``all_gather_object``, bounded.
+        """Every rank's `obj` (picklable), in rank order: `all_gather_object`, bounded.
 
-        Two collectives (the sizes, then the padded bytes), each bounded by ``timeout``, on
+        Two collectives (the sizes, then the padded bytes), each bounded by `timeout`, on
         the group's communication device; two host transfers (the sizes, then every rank's
         bytes at once), whatever the world size.
         """
@@ -432,12 +434,12 @@ class Agreement:
         group's collectives must come in the same order on every rank, and that thread's would
         race with the model's own.
 
-        Made by the group's members alone (``use_local_synchronization``: a subgroup's scaler
+        Made by the group's members alone (`use_local_synchronization`: a subgroup's scaler
         needs no rank outside it), except where that hangs: when the default group is bound to
-        a device (``init_process_group(device_id=...)``) an NCCL group is made by splitting the
+        a device (`init_process_group(device_id=...)`) an NCCL group is made by splitting the
         default communicator, which every rank of the default group must join. So then:
         the whole world's group is made by every rank (each builds its scaler), and a proper
-        subgroup needs ``backend="gloo"`` (a gloo group is never split from NCCL's).
+        subgroup needs `backend="gloo"` (a gloo group is never split from NCCL's).
 
         Args:
             backend: the new group's backend; None: this group's.
@@ -478,16 +480,16 @@ class Agreement:
         *,
         device: torch.device | None = None,
     ) -> None:
-        """Run ``start(async_op)``, the one place the scaler issues and bounds a collective.
+        """Run `start(async_op)`, the one place the scaler issues and bounds a collective.
 
         Args:
             start: issues the collective (asynchronously when told so) and returns its work.
             step: the step, for messages.
             what: what is exchanged, for messages.
             device: where its tensors are. On an accelerator whose backend waits on the device
-                (NCCL), with a ``timeout``: the stream waits, the host does not; the collective
-                stays in flight, bounded at the next collective or ``settle()``. Elsewhere (CPU,
-                gloo; or None): the host waits here, at most ``timeout``.
+                (NCCL), with a `timeout`: the stream waits, the host does not; the collective
+                stays in flight, bounded at the next collective or `settle()`. Elsewhere (CPU,
+                gloo; or None): the host waits here, at most `timeout`.
 
         Raises:
             ShardScaleDistributedError: a rank did not arrive in time (this collective, or the
@@ -519,11 +521,11 @@ class Agreement:
     def settle(self) -> None:
         """Bound, on the host, the collective this agreement left in flight on an accelerator.
 
-        Call it before any host read of an agreed value (a decision read, ``stats``,
-        ``state_dict``...): it waits until the collective completes, at most until ``timeout``
+        Call it before any host read of an agreed value (a decision read, `stats`,
+        `state_dict`...): it waits until the collective completes, at most until `timeout`
         after its enqueue, so that the read that follows cannot hang on a rank that never
         came. Free when nothing is in flight (always so on the CPU, on gloo, and without a
-        ``timeout``).
+        `timeout`).
 
         Raises:
             ShardScaleDistributedError: that collective's ranks did not all arrive within the
@@ -550,7 +552,7 @@ class Agreement:
     def _failure(
         self, error: RuntimeError, enqueued: float, step: int | None, what: str
     ) -> ShardScaleDistributedError:
-        """What ``error`` means: late (it reports a timeout, or came when the time ran out) or
+        """What `error` means: late (it reports a timeout, or came when the time ran out) or
         a rank gone (the connection broke, or anything else before the time ran out)."""
         waited = time.monotonic() - enqueued
         timed_out = self.timeout is not None and waited >= self.timeout.total_seconds()
@@ -589,17 +591,17 @@ _DEVICE_FIELDS = (
     "consecutive_skips",
     "last_overflow_step",
 )
-"""The state-dict fields a ``DeviceState`` holds, in the order ``state_fields`` builds them."""
+"""The state-dict fields a `DeviceState` holds, in the order `state_fields` builds them."""
 
 
 def state_fields(
     state: ScalerState | DeviceState, policy: ScalePolicy
 ) -> tuple[list[str], torch.Tensor]:
-    """The scaler state's fields for ``Agreement.compare``: names as in the state dict, and
+    """The scaler state's fields for `Agreement.compare`: names as in the state dict, and
     their values as one float64 tensor where the state lives.
 
-    A ``DeviceState`` is never read on the host: its fields are computed on its device (the
-    policy's settings join as a constant made there once), so ``verify_agreement`` pays one host
+    A `DeviceState` is never read on the host: its fields are computed on its device (the
+    policy's settings join as a constant made there once), so `verify_agreement` pays one host
     transfer in all, the comparison's.
     """
     if isinstance(state, ScalerState):
@@ -626,8 +628,8 @@ def state_fields(
 def _settings_on(
     device: torch.device, names: tuple[str, ...], settings: tuple[float, ...]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The policy's settings as a tensor on ``device``, and the index that puts the device
-    fields and the settings into ``names``' order: made once per device and policy."""
+    """The policy's settings as a tensor on `device`, and the index that puts the device
+    fields and the settings into `names`' order: made once per device and policy."""
     built = [*_DEVICE_FIELDS, *(n for n in names if n not in _DEVICE_FIELDS)]
     order = [built.index(n) for n in names]
     return (

@@ -1,21 +1,21 @@
-"""The scaler's checkpoint format: building, validating and reading ``state_dict``\\ s.
+"""The scaler's checkpoint format: building, validating and reading `state_dict`\\ s.
 
-Invariant: a state dict is either loaded whole or not at all. ``parse_state_dict`` validates
+Invariant: a state dict is either loaded whole or not at all. `parse_state_dict` validates
 every key and value, and the relations between them, before the scaler changes anything.
 
 Compatibility, both ways: our state dict carries torch's five keys with torch's meanings
-(``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``_growth_tracker``),
-which is all ``torch.amp.GradScaler.load_state_dict`` reads; ours adds the hysteresis settings,
-the floor and ceiling, ``dynamic``, the step counters and ``format_version``. A torch state dict
+(`scale`, `growth_factor`, `backoff_factor`, `growth_interval`, `_growth_tracker`),
+which is all `torch.amp.GradScaler.load_state_dict` reads; ours adds the hysteresis settings,
+the floor and ceiling, `dynamic`, the step counters and `format_version`. A torch state dict
 has none of our keys and loads with our current settings, a full hysteresis allowance and zeroed
 counters.
 
 Versions: each format version has its own set of our keys, all required (a dict with only some of
-them is damaged). Version 1 added ``format_version`` itself; a dict without it is version 0
+them is damaged). Version 1 added `format_version` itself; a dict without it is version 0
 (shardscale 0.1's), and still loads. A later version that adds a key keeps every older one
 loading, with that key's default; a dict from a newer shardscale than this one is refused.
 
-All values are Python numbers, identical on every rank, so ``torch.distributed.checkpoint``
+All values are Python numbers, identical on every rank, so `torch.distributed.checkpoint`
 stores one copy and loads it at any world size.
 """
 
@@ -33,7 +33,7 @@ from shardscale._policy import ScalePolicy, ScaleState
 __all__ = ["FORMAT_VERSION", "Counters", "ScalerState", "parse_state_dict", "to_state_dict"]
 
 FORMAT_VERSION = 1
-"""The version ``state_dict()`` writes."""
+"""The version `state_dict()` writes."""
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 _V0_KEYS = (
@@ -56,7 +56,7 @@ class Counters:
     """How many steps the scaler has seen and skipped."""
 
     steps: int = 0
-    """``update()`` calls that consumed a step's overflow check."""
+    """`update()` calls that consumed a step's overflow check."""
     skipped_steps: int = 0
     """Of those, the steps skipped because some rank overflowed."""
     consecutive_skips: int = 0
@@ -112,10 +112,10 @@ def _number(key: str, value: object, kind: type[int] | type[float]) -> Any:
 
 
 def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> ScalerState:
-    """Validate ``state_dict`` whole and return the state it describes.
+    """Validate `state_dict` whole and return the state it describes.
 
     Args:
-        state_dict: from ``state_dict()`` of this class or of a torch scaler.
+        state_dict: from `state_dict()` of this class or of a torch scaler.
         current: the loading scaler's policy, kept for settings a torch state dict lacks.
 
     Raises:
@@ -208,7 +208,7 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> Sca
 
 
 def _version(state_dict: Mapping[str, Any]) -> int:
-    """The format version of ``state_dict``: its ``format_version``, 0 without one."""
+    """The format version of `state_dict`: its `format_version`, 0 without one."""
     if "format_version" not in state_dict:
         return 0
     version: int = _number("format_version", state_dict["format_version"], int)

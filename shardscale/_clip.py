@@ -1,9 +1,9 @@
 """Gradient clipping whose norm is global over shards, stages and replicas, in two passes.
 
-The global p-norm is ``(sum over distinct elements |g|^p)^(1/p)``. Each rank adds
-``|local grad|_p^p / r`` per gradient, ``r`` being how many ranks hold those same elements
-(``_grads.replica_count``: DTensors say it themselves, plain tensors are replicated over the
-``replica_group`` the caller names), so the sum over the group counts every element once. That
+The global p-norm is `(sum over distinct elements |g|^p)^(1/p)`. Each rank adds
+`|local grad|_p^p / r` per gradient, `r` being how many ranks hold those same elements
+(`_grads.replica_count`: DTensors say it themselves, plain tensors are replicated over the
+`replica_group` the caller names), so the sum over the group counts every element once. That
 sum travels in the scaler's one agreement collective, next to the overflow flag. The inf-norm
 needs no weights: its reduction is a max.
 
@@ -16,10 +16,10 @@ Two passes over the gradients, whatever the layout:
    overflow: on the CPU the norms that come out non-finite are taken again in float64 (deciding
    that is a host read, free there; float64 norms cost 8x there), on an accelerator every norm
    accumulates in float64 (a memory-bound pass either way).
-2. read+write: multiply by ``inv_scale * clip_coef``, after the agreement.
+2. read+write: multiply by `inv_scale * clip_coef`, after the agreement.
 
 Both passes take FSDP2's flat gradient buffers whole where the gradients tile them
-(``_walk.GradWalk.norm_groups``): per-tensor norms cost ~8 us each on a CPU.
+(`_walk.GradWalk.norm_groups`): per-tensor norms cost ~8 us each on a CPU.
 
 Nothing is modified before the ranks have agreed.
 """
@@ -44,7 +44,7 @@ _CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 
 
 def check_clip_args(max_norm: float, norm_type: float) -> tuple[float, float]:
-    """Validate ``max_norm`` (finite, > 0) and ``norm_type`` (> 0, or inf)."""
+    """Validate `max_norm` (finite, > 0) and `norm_type` (> 0, or inf)."""
     for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{name} must be a number, got {type(value).__name__}: {value!r}")
@@ -58,7 +58,7 @@ def check_clip_args(max_norm: float, norm_type: float) -> tuple[float, float]:
 def norm_flags_exact(groups: NormGroups, norm_type: float) -> bool:
     """Whether a non-finite norm means a non-finite element, and nothing else.
 
-    True for ``p <= 2`` and the inf-norm over gradients of at most float32 range: their float64
+    True for `p <= 2` and the inf-norm over gradients of at most float32 range: their float64
     sums cannot overflow. Otherwise the caller checks the elements in an extra pass.
     """
     small_p = norm_type <= 2.0 or math.isinf(norm_type)
@@ -76,7 +76,7 @@ def by_device_dtype(groups: NormGroups) -> GradGroups:
 def _norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
     """Per-tensor p-norms in float64, never overflowing for finite elements (module docstring).
 
-    On an accelerator a list of 0-dim tensors (one ``_foreach_norm``, stacked later with the
+    On an accelerator a list of 0-dim tensors (one `_foreach_norm`, stacked later with the
     other groups' in one kernel); on the CPU one 1-D tensor.
     """
     if grads[0].device.type != "cpu":
@@ -101,12 +101,12 @@ def local_norms(
 ) -> tuple[torch.Tensor, Flags]:
     """Pass 1 (read only): this rank's share of the unscaled global norm, and overflow flags.
 
-    The per-tensor norms of every group with the same replica count are moved to ``device``
+    The per-tensor norms of every group with the same replica count are moved to `device`
     (a non-blocking copy from the CPU: CPU-offloaded gradients cost no device-to-host copy
     here), stacked in one kernel, then unscaled and checked in one more (the check kernel,
-    which raises the flag of ``device`` where a norm is non-finite), then reduced in one (two
+    which raises the flag of `device` where a norm is non-finite), then reduced in one (two
     for p other than 1, 2 and inf). So the kernels per step grow with the number of
-    (device, dtype) groups (one ``_foreach_norm`` each), never with the number of tensors.
+    (device, dtype) groups (one `_foreach_norm` each), never with the number of tensors.
 
     Args:
         inv_scale: float32 scalar the gradients are still to be multiplied by.
@@ -115,9 +115,9 @@ def local_norms(
             own); new zero flags when None.
 
     Returns:
-        ``(share, flags)``: ``share`` is ``sum |g * inv_scale|_p^p / r`` (the max for the
-        inf-norm) as a float64 scalar on ``device`` (zero without gradient elements), non-finite
-        where a norm was; ``flags`` holds a float32 scalar for ``device``, 1.0 where a norm was
+        `(share, flags)`: `share` is `sum |g * inv_scale|_p^p / r` (the max for the
+        inf-norm) as a float64 scalar on `device` (zero without gradient elements), non-finite
+        where a norm was; `flags` holds a float32 scalar for `device`, 1.0 where a norm was
         non-finite.
     """
     flags = {} if flags is None else flags
@@ -159,10 +159,10 @@ def apply_(
     inv_scale: torch.Tensor | None,
     found_inf: torch.Tensor,
 ) -> None:
-    """Pass 2: multiply every gradient by ``inv_scale * min(1, max_norm / (total + 1e-6))``.
+    """Pass 2: multiply every gradient by `inv_scale * min(1, max_norm / (total + 1e-6))`.
 
     On the device, without a host synchronisation, in five scalar kernels and one per
-    (device, dtype) group. On an overflow (``found_inf`` 1.0: the step will be skipped) it only
+    (device, dtype) group. On an overflow (`found_inf` 1.0: the step will be skipped) it only
     unscales, where torch would turn the gradients to NaN, so that locating the overflow still
     sees the infs. A norm that is non-finite without an overflow (p-th powers beyond float32's
     range, p > 2) clips to zero, as torch does.
@@ -177,5 +177,5 @@ def apply_(
 
 @functools.lru_cache(maxsize=64)
 def _constant(value: float, device: torch.device) -> torch.Tensor:
-    """A float32 scalar ``value`` on ``device``, made once (``max_norm`` rarely changes)."""
+    """A float32 scalar `value` on `device`, made once (`max_norm` rarely changes)."""
     return torch.full((), value, dtype=torch.float32, device=device)

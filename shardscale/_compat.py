@@ -1,10 +1,10 @@
 """torch's private surface, answered from our agreed state.
 
-Public code reads ``torch.amp.GradScaler``'s private members: skip detection sums
-``scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]``, trainers call
-``_found_inf_per_device``, torch's own tests call ``_unscale_grads_``, optimizers that take the
-deprecated ``step(grad_scaler=...)`` call ``_check_inf_per_device``. This module answers those
-reads for a `ShardedGradScaler`.
+Public code reads `torch.amp.GradScaler`'s private members: skip detection sums
+`scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]`, trainers call
+`_found_inf_per_device`, torch's own tests call `_unscale_grads_`, optimizers that take the
+deprecated `step(grad_scaler=...)` call `_check_inf_per_device`. This module answers those
+reads for a [`ShardedGradScaler`][shardscale.ShardedGradScaler].
 
 Invariant: every view answers with what the group AGREED (the flag every rank holds alike, after
 the step's one collective), never a rank's local verdict; and a view costs nothing until it is
@@ -40,7 +40,7 @@ GRAD_SCALER_WARNING = (
     "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
     "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly."
 )
-"""torch's FutureWarning, word for word, for optimizers whose step() takes ``grad_scaler``."""
+"""torch's FutureWarning, word for word, for optimizers whose step() takes `grad_scaler`."""
 
 _READ_ONLY = (
     "scaler._per_optimizer_states is a read-only view of shardscale's agreed state (the flag "
@@ -49,7 +49,7 @@ _READ_ONLY = (
 
 
 class ReadOnlyDict(dict[Any, Any]):
-    """A ``dict`` (it compares equal to one, as torch's states do) that refuses every write."""
+    """A `dict` (it compares equal to one, as torch's states do) that refuses every write."""
 
     def _refuse(self, *args: object, **kwargs: object) -> NoReturn:
         raise TypeError(_READ_ONLY)
@@ -59,21 +59,21 @@ class ReadOnlyDict(dict[Any, Any]):
 
 
 def _fresh_state() -> ReadOnlyDict:
-    """torch's ``_refresh_per_optimizer_state()``: what an optimizer not yet seen reads."""
+    """torch's `_refresh_per_optimizer_state()`: what an optimizer not yet seen reads."""
     return ReadOnlyDict(stage=OptState.READY, found_inf_per_device=ReadOnlyDict())
 
 
 class OptimizerStates(Mapping[Any, ReadOnlyDict]):
-    """``_per_optimizer_states``: per ``id(optimizer)``, its stage and its agreed flag.
+    """`_per_optimizer_states`: per `id(optimizer)`, its stage and its agreed flag.
 
-    Like torch's ``defaultdict``, an optimizer not seen in the iteration reads
-    ``{"stage": OptState.READY, "found_inf_per_device": {}}`` (without being inserted). The view
-    holds the iteration it was taken in: after ``update()`` the scaler starts a new one (and
-    ``scaler._per_optimizer_states`` reads it, empty), as torch replaces its dict in
-    ``update()``; a view kept from before still reads the old iteration, as torch's old dict.
+    Like torch's `defaultdict`, an optimizer not seen in the iteration reads
+    `{"stage": OptState.READY, "found_inf_per_device": {}}` (without being inserted). The view
+    holds the iteration it was taken in: after `update()` the scaler starts a new one (and
+    `scaler._per_optimizer_states` reads it, empty), as torch replaces its dict in
+    `update()`; a view kept from before still reads the old iteration, as torch's old dict.
 
-    Reading an optimizer whose ``unscale_()`` left its agreement for the next ``step()`` runs
-    that agreement now (one collective, as torch's sharded ``unscale_`` runs at once): read it on
+    Reading an optimizer whose `unscale_()` left its agreement for the next `step()` runs
+    that agreement now (one collective, as torch's sharded `unscale_` runs at once): read it on
     every rank, as every rank runs the same code.
     """
 
@@ -91,7 +91,7 @@ class OptimizerStates(Mapping[Any, ReadOnlyDict]):
         return state_of(record)
 
     def get(self, key: object, default: Any = None) -> Any:
-        """As ``dict.get``: ``default`` for an optimizer not seen (no default state made)."""
+        """As `dict.get`: `default` for an optimizer not seen (no default state made)."""
         if key not in self:
             return default
         return self[key]
@@ -116,7 +116,7 @@ class OptimizerStates(Mapping[Any, ReadOnlyDict]):
 
 
 def state_of(record: OptimizerRecord) -> ReadOnlyDict:
-    """torch's per-optimizer state for ``record``: stage, and ``{device: agreed flag}``."""
+    """torch's per-optimizer state for `record`: stage, and `{device: agreed flag}`."""
     flags = (
         ReadOnlyDict()
         if record.found_inf is None
@@ -131,18 +131,18 @@ def unscale_grads(
     found_inf: torch.Tensor,
     allow_fp16: bool,
 ) -> Flags:
-    """torch's ``GradScaler._unscale_grads_`` on our gradient walk: a local unscale and check.
+    """torch's `GradScaler._unscale_grads_` on our gradient walk: a local unscale and check.
 
-    Multiplies ``optimizer``'s local gradients (DTensor shards, FSDP1 flat shards, sparse
-    values, coalesced as torch does) by ``inv_scale`` and raises ``found_inf`` where any element
-    is inf/NaN: ``found_inf`` itself on its device, a copy of it on each other device holding
+    Multiplies `optimizer`'s local gradients (DTensor shards, FSDP1 flat shards, sparse
+    values, coalesced as torch does) by `inv_scale` and raises `found_inf` where any element
+    is inf/NaN: `found_inf` itself on its device, a copy of it on each other device holding
     gradients. Like torch's, it involves no other rank and records nothing in the iteration.
 
     Returns:
-        ``{device: flag}`` for each device holding gradients (empty when none has one).
+        `{device: flag}` for each device holding gradients (empty when none has one).
 
     Raises:
-        ValueError: ``allow_fp16`` is False and a gradient is float16 (torch's words).
+        ValueError: `allow_fp16` is False and a gradient is float16 (torch's words).
     """
     params = tuple(optimizer_params(optimizer))
     if not allow_fp16:
@@ -164,10 +164,10 @@ _PASSES_ITSELF: dict[object, bool] = {}
 
 
 def passes_itself(optimizer: object) -> bool:
-    """Whether torch's scalers would call ``optimizer.step(grad_scaler=scaler)``: it declares
-    ``_step_supports_amp_scaling`` and its ``step()`` has a ``grad_scaler`` parameter.
+    """Whether torch's scalers would call `optimizer.step(grad_scaler=scaler)`: it declares
+    `_step_supports_amp_scaling` and its `step()` has a `grad_scaler` parameter.
 
-    One attribute read for most optimizers; the signature of a ``step`` is inspected once and
+    One attribute read for most optimizers; the signature of a `step` is inspected once and
     remembered (torch inspects it on every step).
     """
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -187,15 +187,15 @@ def passes_itself(optimizer: object) -> bool:
 
 
 def check_group(group: object) -> object:
-    """``process_group`` as torch's ShardedGradScaler accepts it; raise otherwise.
+    """`process_group` as torch's ShardedGradScaler accepts it; raise otherwise.
 
-    A ``torch.distributed.ProcessGroup`` (or None) is taken as it is. An object that only quacks
-    like one (``rank()`` and ``size()``: torch's ``DummyProcessGroup``) is taken at size 1, where
+    A `torch.distributed.ProcessGroup` (or None) is taken as it is. An object that only quacks
+    like one (`rank()` and `size()`: torch's `DummyProcessGroup`) is taken at size 1, where
     no collective is issued; at a larger size the scaler could not run its collective on it.
 
     Raises:
-        TypeError: ``group`` is neither a ProcessGroup, nor None, nor has ``rank()``/``size()``.
-        ValueError: a duck-typed group's ``size()`` is not 1.
+        TypeError: `group` is neither a ProcessGroup, nor None, nor has `rank()`/`size()`.
+        ValueError: a duck-typed group's `size()` is not 1.
     """
     if group is None or isinstance(group, torch.distributed.ProcessGroup):
         return group

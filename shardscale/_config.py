@@ -1,9 +1,9 @@
 """The scaler's options, validated once: one frozen config object per scaler.
 
-Every option a user passes to :class:`~shardscale.ShardedGradScaler` lands here, is checked here
-(the rule, then the value), and is normalised here (a device name to its type, seconds to a
-``timedelta``), so the classes that use them trust them. The scale policy's own settings are
-checked by :class:`~shardscale.ScalePolicy`, which the config builds.
+Every option a user passes to [`ShardedGradScaler`][shardscale.ShardedGradScaler] lands here, is
+checked here (the rule, then the value), and is normalised here (a device name to its type, seconds
+to a `timedelta`), so the classes that use them trust them. The scale policy's own settings are
+checked by [`ScalePolicy`][], which the config builds.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ __all__ = ["ScalerConfig", "timeout_option"]
 
 
 def timeout_option(name: str, value: timedelta | float | None) -> timedelta | None:
-    """``value`` (a ``timedelta``, seconds, or None) as a ``timedelta``, checked to be > 0."""
+    """`value` (a `timedelta`, seconds, or None) as a `timedelta`, checked to be > 0."""
     if value is None:
         return None
     if isinstance(value, timedelta):
@@ -54,7 +54,7 @@ def _int(name: str, value: object) -> int:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScalerConfig:
-    """Every option of a :class:`~shardscale.ShardedGradScaler`, validated at construction.
+    """Every option of a [`ShardedGradScaler`][shardscale.ShardedGradScaler], validated when built.
 
     Raises:
         TypeError: an option has the wrong type.
@@ -62,17 +62,17 @@ class ScalerConfig:
     """
 
     device: str | None = None
-    """Device type of the loss (``"cuda"``, ``"cpu"``...); None follows the first loss."""
+    """Device type of the loss (`"cuda"`, `"cpu"`...); None follows the first loss."""
     init_scale: float | None = None
-    """The first step's scale; None: ``2.0**16``, or 1.0 when ``dynamic=False``."""
+    """The first step's scale; None: `2.0**16`, or 1.0 when `dynamic=False`."""
     growth_factor: float = 2.0
-    """Multiplies the scale after ``growth_interval`` clean steps (> 1)."""
+    """Multiplies the scale after `growth_interval` clean steps (> 1)."""
     backoff_factor: float = 0.5
     """Multiplies the scale on an overflow (in (0, 1))."""
     growth_interval: int = 2000
     """Consecutive clean steps before the scale grows (>= 1)."""
     enabled: bool = True
-    """False makes every method a no-op and ``step`` a plain ``optimizer.step()``."""
+    """False makes every method a no-op and `step` a plain `optimizer.step()`."""
     process_group: dist.ProcessGroup | None = None
     """The ranks that must agree; None: the default (world) group."""
     hysteresis: int = 1
@@ -84,7 +84,7 @@ class ScalerConfig:
     dynamic: bool = True
     """False keeps the scale fixed (the bf16 guard); non-finite steps are still skipped."""
     sync_timeout: timedelta | float | None = None
-    """The longest wait for the other ranks at a collective (``timedelta`` or seconds)."""
+    """The longest wait for the other ranks at a collective (`timedelta` or seconds)."""
     verify_every: int = 0
     """Compare the scaler state across ranks every N steps (0: never)."""
     max_consecutive_skips: int | None = None
@@ -117,7 +117,7 @@ class ScalerConfig:
 
     @property
     def timeout(self) -> timedelta | None:
-        """``sync_timeout`` as a ``timedelta`` (normalised at construction)."""
+        """`sync_timeout` as a `timedelta` (normalised at construction)."""
         return cast(timedelta | None, self.sync_timeout)
 
     def policy(self) -> ScalePolicy:
@@ -133,7 +133,7 @@ class ScalerConfig:
         )
 
     def first_scale(self) -> float:
-        """``init_scale``, or its default: ``2.0**16``, 1.0 for a static scale."""
+        """`init_scale`, or its default: `2.0**16`, 1.0 for a static scale."""
         if self.init_scale is not None:
             return self.init_scale
         return 2.0**16 if self.dynamic else 1.0

@@ -12,5 +12,5 @@ __all__ = ["move"]
 
 
 def move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` on ``device``: itself if already there, else a copy, async only to a device."""
+    """`tensor` on `device`: itself if already there, else a copy, async only to a device."""
     return tensor.to(device, non_blocking=device.type != "cpu")

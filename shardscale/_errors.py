@@ -1,7 +1,7 @@
 """The project's warning and exception types.
 
-Users filter our warnings (``warnings.filterwarnings("error", category=ShardScaleWarning)``)
-and catch our distributed failures without catching every ``RuntimeError`` torch raises, so both
+Users filter our warnings (`warnings.filterwarnings("error", category=ShardScaleWarning)`)
+and catch our distributed failures without catching every `RuntimeError` torch raises, so both
 get types of their own.
 """
 
@@ -17,7 +17,7 @@ __all__ = [
 
 def no_scale_message(funcname: str) -> str:
     """torch's call-order error for a scaler that never scaled a loss, in torch's words (users'
-    ``match=`` strings keep working)."""
+    `match=` strings keep working)."""
     return (
         f"Attempted {funcname} but _scale is None.  This may indicate your script did not use "
         "scaler.scale(loss or outputs) earlier in the iteration."
@@ -27,7 +27,7 @@ def no_scale_message(funcname: str) -> str:
 class ShardScaleWarning(UserWarning):
     """Something is wrong with the training run, but the scaler can carry on.
 
-    For example: an overflow at ``min_scale``, where backing off further is impossible.
+    For example: an overflow at `min_scale`, where backing off further is impossible.
     """
 
 
@@ -40,7 +40,7 @@ class ShardScaleDistributedError(RuntimeError):
 
 
 class ShardScaleSkipError(RuntimeError):
-    """More consecutive steps were skipped than ``max_consecutive_skips`` allows.
+    """More consecutive steps were skipped than `max_consecutive_skips` allows.
 
     Raised on every rank together (the counters agree); the message names the step and the scale.
     """

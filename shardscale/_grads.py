@@ -2,12 +2,12 @@
 
 Whatever the parallelism, the gradient an optimizer sees is one of:
 
-* a plain tensor: single process, DDP, pipeline stages, FSDP1's ``use_orig_params`` views;
+* a plain tensor: single process, DDP, pipeline stages, FSDP1's `use_orig_params` views;
 * an FSDP1 flat parameter's gradient: one flat shard holding slices of many original
   parameters (`original_slices` cuts it back);
 * a DTensor (FSDP2, HSDP, tensor and expert parallel): we take its local shard and never rely on
-  DTensor's own reductions, and read its layout from its public ``device_mesh`` and
-  ``placements``;
+  DTensor's own reductions, and read its layout from its public `device_mesh` and
+  `placements`;
 * a sparse tensor: we use its coalesced values.
 
 Three questions are answered here and nowhere else: which elements this rank holds
@@ -37,7 +37,7 @@ _FLAT_PARAM = "_flat_param"
 
 
 def _coalesced_(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """Coalesce a sparse gradient in place on ``param``; half precision sums through fp32."""
+    """Coalesce a sparse gradient in place on `param`; half precision sums through fp32."""
     if grad.is_coalesced():
         return grad
     if grad.dtype in _HALF_DTYPES:
@@ -75,7 +75,7 @@ def local_grad(grad: torch.Tensor) -> torch.Tensor:
     """The gradient elements this rank holds, for reading (norms, locating overflows).
 
     A DTensor's local shard; a sparse gradient's coalesced values (coalesced into a copy if it
-    is not yet: duplicates sum only then, and that sum is what may overflow); else ``grad``.
+    is not yet: duplicates sum only then, and that sum is what may overflow); else `grad`.
     `local_grads` walks the same way, coalescing in place.
     """
     if isinstance(grad, DTensor):
@@ -86,7 +86,7 @@ def local_grad(grad: torch.Tensor) -> torch.Tensor:
 
 
 def grads_device(params: Iterable[torch.Tensor]) -> torch.device:
-    """Where the local gradients of ``params`` live: the first gradient's (local) device.
+    """Where the local gradients of `params` live: the first gradient's (local) device.
 
     Else the first parameter's (a rank that holds no gradient yet), else the CPU. A rank that
     computes no loss (a pipeline stage before the last) puts the scale state there.
@@ -120,16 +120,16 @@ def _dtensor_replicas(mesh: DeviceMesh, placements: tuple[Placement, ...]) -> in
 
 
 def replica_count(param: torch.Tensor, plain_replicas: int) -> int:
-    """How many ranks hold the same local gradient elements as this rank does for ``param``.
+    """How many ranks hold the same local gradient elements as this rank does for `param`.
 
-    * DTensor: read from its own ``device_mesh`` and ``placements``: the product of the mesh
-      sizes of its ``Replicate`` dimensions (HSDP's replicate dimension, a TP ``Replicate``).
+    * DTensor: read from its own `device_mesh` and `placements`: the product of the mesh
+      sizes of its `Replicate` dimensions (HSDP's replicate dimension, a TP `Replicate`).
       Ranks outside its mesh hold other parameters (another pipeline stage, other experts)
       or other shards, so disjoint stages and expert shards add up.
-    * Plain tensor: ``plain_replicas``, the ranks the caller says replicate it (DDP: the whole
+    * Plain tensor: `plain_replicas`, the ranks the caller says replicate it (DDP: the whole
       group; a pipeline stage: its data-parallel group; pure pipeline: 1).
-    * FSDP1 flat parameter: ``plain_replicas`` ranks hold it, in as many shards as it has.
-    * A parameter FSDP1 flattened (``use_orig_params=True``): taken as fully sharded, 1.
+    * FSDP1 flat parameter: `plain_replicas` ranks hold it, in as many shards as it has.
+    * A parameter FSDP1 flattened (`use_orig_params=True`): taken as fully sharded, 1.
     """
     grad = param.grad
     if isinstance(grad, DTensor):
@@ -144,11 +144,11 @@ def replica_count(param: torch.Tensor, plain_replicas: int) -> int:
 
 
 def original_slices(name: str, param: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, local gradient elements)`` per original parameter held in ``param``'s gradient.
+    """`(name, local gradient elements)` per original parameter held in `param`'s gradient.
 
     One pair for most parameters; an FSDP1 flat parameter yields the slice of each original
     parameter that lies in this rank's shard, cut by the offsets FSDP records, named
-    ``<module prefix>.<original name>``. Nothing when ``param`` has no gradient.
+    `<module prefix>.<original name>`. Nothing when `param` has no gradient.
     """
     grad = param.grad
     if grad is None:

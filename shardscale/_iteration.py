@@ -1,10 +1,10 @@
-"""One iteration's book: what each optimizer did since the last ``update()``, under torch's rules.
+"""One iteration's book: what each optimizer did since the last `update()`, under torch's rules.
 
-An iteration runs from one ``update()`` to the next: scale, backward, then per optimizer at most
-one ``unscale_`` (before its ``step``) and one ``step``; ``update()`` consumes the agreed overflow
+An iteration runs from one `update()` to the next: scale, backward, then per optimizer at most
+one `unscale_` (before its `step`) and one `step`; `update()` consumes the agreed overflow
 flags. The book enforces those rules, raising torch's own errors in torch's words (users'
-``match=`` strings keep working), and remembers what ``clip_grad_norm_`` already unscaled and
-agreed, and which local checks of ``unscale_`` still wait for the agreement. The synchronous
+`match=` strings keep working), and remembers what `clip_grad_norm_` already unscaled and
+agreed, and which local checks of `unscale_` still wait for the agreement. The synchronous
 scaler keeps one book at a time; the async scaler one per iteration in flight, each with its own
 copy of the scale its losses were multiplied by.
 """
@@ -39,7 +39,7 @@ class OptimizerRecord:
 
 @dataclass(frozen=True, slots=True)
 class Clipped:
-    """What ``clip_grad_norm_`` unscaled and agreed on in this iteration, for steps to reuse."""
+    """What `clip_grad_norm_` unscaled and agreed on in this iteration, for steps to reuse."""
 
     param_ids: frozenset[int]
     found_inf: torch.Tensor
@@ -47,10 +47,10 @@ class Clipped:
 
 @dataclass(slots=True)
 class PendingCheck:
-    """Gradients ``unscale_()`` checked and unscaled locally, whose flags await the agreement.
+    """Gradients `unscale_()` checked and unscaled locally, whose flags await the agreement.
 
-    The agreement waits for the next point that needs it (``step``, ``clip_grad_norm_``,
-    ``update``), so ``unscale_`` + clip + step still cost one collective.
+    The agreement waits for the next point that needs it (`step`, `clip_grad_norm_`,
+    `update`), so `unscale_` + clip + step still cost one collective.
     """
 
     records: list[OptimizerRecord] = field(default_factory=list)
@@ -82,7 +82,7 @@ class IterationBook:
         self._on_agreed = on_agreed
 
     def record(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
-        """This iteration's record for ``optimizer`` (made at first sight)."""
+        """This iteration's record for `optimizer` (made at first sight)."""
         record = self.records.get(id(optimizer))
         if record is None:
             record = self.records[id(optimizer)] = OptimizerRecord(optimizer)
@@ -91,7 +91,7 @@ class IterationBook:
     def begin_unscale(
         self, leaves: Iterable[torch.optim.Optimizer]
     ) -> tuple[list[OptimizerRecord], list[OptimizerRecord]]:
-        """The records ``unscale_`` must check now, and those that took ``clip_grad_norm_``'s
+        """The records `unscale_` must check now, and those that took `clip_grad_norm_`'s
         unscale and verdict instead.
 
         Raises:
@@ -115,7 +115,7 @@ class IterationBook:
     def begin_step(
         self, leaves: Iterable[torch.optim.Optimizer]
     ) -> tuple[list[OptimizerRecord], list[OptimizerRecord]]:
-        """The records of ``step``'s optimizers, and those that took ``clip_grad_norm_``'s
+        """The records of `step`'s optimizers, and those that took `clip_grad_norm_`'s
         unscale and verdict just now.
 
         Raises:
@@ -128,7 +128,7 @@ class IterationBook:
         return records, adopted
 
     def adopt_clip(self, record: OptimizerRecord) -> bool:
-        """Take ``clip_grad_norm_``'s unscale and flag for ``record`` if the clip covered it.
+        """Take `clip_grad_norm_`'s unscale and flag for `record` if the clip covered it.
 
         Raises:
             RuntimeError: the clip covered some, but not all, of the optimizer's gradients.
@@ -174,7 +174,7 @@ class IterationBook:
         return pending
 
     def agreed(self, records: Iterable[OptimizerRecord], found_inf: torch.Tensor) -> None:
-        """Record the group's verdict for ``records``."""
+        """Record the group's verdict for `records`."""
         for record in records:
             record.found_inf = found_inf
         if self._on_agreed is not None:

@@ -1,15 +1,15 @@
 """Which parameters overflowed, on which rank: named as in the user's original model.
 
-A sharded model hides its parameters behind wrappers: DDP's ``module.``, FSDP1's
-``_fsdp_wrapped_module.`` and flat parameters (one ``_flat_param`` holding many original
-parameters, each rank a slice of it), activation checkpointing's ``_checkpoint_wrapped_module.``,
-``torch.compile``'s ``_orig_mod.``, FSDP2's DTensors. Each rank counts the infs and NaNs in the
+A sharded model hides its parameters behind wrappers: DDP's `module.`, FSDP1's
+`_fsdp_wrapped_module.` and flat parameters (one `_flat_param` holding many original
+parameters, each rank a slice of it), activation checkpointing's `_checkpoint_wrapped_module.`,
+`torch.compile`'s `_orig_mod.`, FSDP2's DTensors. Each rank counts the infs and NaNs in the
 gradient elements it holds, per original parameter (an FSDP1 flat shard is cut back into the
 original parameters by the offsets FSDP records), and the agreement module gathers the records,
-so every rank gets the same list (within the scaler's ``sync_timeout``).
+so every rank gets the same list (within the scaler's `sync_timeout`).
 
 This costs host reads and a collective, so the scaler runs it only on steps every rank already
-agreed overflowed (``locate_overflow=True``): clean steps pay nothing.
+agreed overflowed (`locate_overflow=True`): clean steps pay nothing.
 """
 
 from __future__ import annotations
@@ -51,14 +51,14 @@ class NonFiniteGrad:
 
 
 def clean_name(name: str) -> str:
-    """``name`` without the wrapper modules' prefixes."""
+    """`name` without the wrapper modules' prefixes."""
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
-    """The user's model inside DDP / ``torch.compile`` wrappers (whose names add a prefix)."""
+    """The user's model inside DDP / `torch.compile` wrappers (whose names add a prefix)."""
     while True:
         inner = getattr(module, "_orig_mod", None)
         if isinstance(module, nn.parallel.DistributedDataParallel):
@@ -69,10 +69,10 @@ def _unwrapped(module: nn.Module) -> nn.Module:
 
 
 def optimizer_named_params(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, torch.Tensor]]:
-    """The optimizer's parameters with names: its ``param_names`` if it was built from
-    ``model.named_parameters()``, else their positions, ``param_groups[g][i]``.
+    """The optimizer's parameters with names: its `param_names` if it was built from
+    `model.named_parameters()`, else their positions, `param_groups[g][i]`.
 
-    Built from a DDP model, every name starts with DDP's ``module.``: it is dropped then.
+    Built from a DDP model, every name starts with DDP's `module.`: it is dropped then.
     """
     named = [
         (
@@ -119,7 +119,7 @@ def locate(
 
 
 def _nonfinite_counts(pieces: list[torch.Tensor]) -> list[tuple[int, int]]:
-    """``(infs, NaNs)`` of each piece: counted where it lives, one host transfer per device."""
+    """`(infs, NaNs)` of each piece: counted where it lives, one host transfer per device."""
     by_device: dict[torch.device, list[int]] = {}
     for i, values in enumerate(pieces):
         by_device.setdefault(values.device, []).append(i)
@@ -143,21 +143,21 @@ def find_nonfinite_grads(
     *,
     timeout: timedelta | float | None = None,
 ) -> list[NonFiniteGrad]:
-    """Which parameters of ``module`` hold inf/NaN gradient elements, on which rank.
+    """Which parameters of `module` hold inf/NaN gradient elements, on which rank.
 
-    Works for plain modules, DDP, FSDP1 (flat parameters, ``use_orig_params`` either way: the
+    Works for plain modules, DDP, FSDP1 (flat parameters, `use_orig_params` either way: the
     flat shard is cut back into the original parameters), FSDP2/DTensor (each rank counts its
     local shard) and sparse gradients. Names are the original model's fully-qualified names,
-    without ``module.``, ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``,
-    ``_orig_mod.`` or ``_flat_param``.
+    without `module.`, `_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`,
+    `_orig_mod.` or `_flat_param`.
 
     A collective when the process group has more than one rank: call it on every rank of
-    ``process_group`` (None: the default group); ``timeout`` bounds the wait for the other
-    ranks (a ``timedelta`` or seconds; None: the group's own). Counts whatever the gradients
+    `process_group` (None: the default group); `timeout` bounds the wait for the other
+    ranks (a `timedelta` or seconds; None: the group's own). Counts whatever the gradients
     hold now, scaled or not (scaling changes no element's finiteness).
 
     Returns:
-        :class:`NonFiniteGrad` records (``rank``, ``name``, ``num_inf``, ``num_nan``) for every
+        [`NonFiniteGrad`][] records (`rank`, `name`, `num_inf`, `num_nan`) for every
         (rank, parameter) with a non-finite element, identical on every rank, by rank then in
         parameter order. Empty when every gradient is finite.
     """

@@ -1,8 +1,8 @@
-"""What a ``step()`` call steps: one optimizer, a list of them, or a container of them.
+"""What a `step()` call steps: one optimizer, a list of them, or a container of them.
 
 torchtitan-style jobs build one optimizer per model part and step them through a container (an
-``Optimizer`` subclass holding them in ``optimizers``); Megatron chains them
-(``chained_optimizers``). The scaler must check the gradients of every optimizer underneath, agree
+`Optimizer` subclass holding them in `optimizers`); Megatron chains them
+(`chained_optimizers`). The scaler must check the gradients of every optimizer underneath, agree
 on them in ONE collective, and hand fused optimizers the scale and the agreed flag themselves:
 that is what resolving a target into its *leaf* optimizers is for.
 """
@@ -18,14 +18,14 @@ import torch
 __all__ = ["OptimizerTarget", "Steppable", "optimizer_params", "steppables", "takes_scale"]
 
 OptimizerTarget: TypeAlias = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
-"""What ``unscale_``/``step`` accept: an optimizer (or a container of several), or a list."""
+"""What `unscale_`/`step` accept: an optimizer (or a container of several), or a list."""
 
 _CONTAINER_ATTRIBUTES = ("optimizers", "chained_optimizers")
 
 
 @dataclass(frozen=True, slots=True)
 class Steppable:
-    """One thing whose ``step()`` is called, and the optimizers it steps (itself, if a leaf)."""
+    """One thing whose `step()` is called, and the optimizers it steps (itself, if a leaf)."""
 
     target: Any
     leaves: tuple[torch.optim.Optimizer, ...]
@@ -56,10 +56,10 @@ def _leaves(optimizer: object) -> Iterator[torch.optim.Optimizer]:
 
 
 def steppables(target: object) -> list[Steppable]:
-    """Resolve ``target`` into what to step and the leaf optimizers under each.
+    """Resolve `target` into what to step and the leaf optimizers under each.
 
     Raises:
-        TypeError: ``target`` is not an optimizer, a container of them, or a list of those.
+        TypeError: `target` is not an optimizer, a container of them, or a list of those.
         ValueError: the list is empty, or names one optimizer twice.
     """
     items = list(target) if isinstance(target, (list, tuple)) else [target]
@@ -86,12 +86,12 @@ def steppables(target: object) -> list[Steppable]:
 
 
 def takes_scale(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step()`` reads ``grad_scale``/``found_inf`` itself (fused, capturable
+    """Whether `optimizer.step()` reads `grad_scale`/`found_inf` itself (fused, capturable
     with amp support): it unscales and skips on the device, with no host synchronisation."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    """Every parameter of every param group of ``optimizer``, in order."""
+    """Every parameter of every param group of `optimizer`, in order."""
     for group in optimizer.param_groups:
         yield from group["params"]

@@ -1,38 +1,41 @@
 """The dynamic loss-scale policy: how the scale moves after each step.
 
 The policy needs no process group: it maps (state, found_inf) to the next state, once as plain
-Python (:meth:`ScalePolicy.next`, the definition, used as the reference in tests) and once as
-device-side tensor maths (:meth:`ScalePolicy.update_`, used by the scaler: no host sync, no
-collective). Because every rank feeds it the same agreed ``found_inf``, every rank computes the
-same next scale.
+Python ([`ScalePolicy.next()`][ScalePolicy.next], the definition, used as the reference in tests)
+and once as device-side tensor maths ([`ScalePolicy.update_()`][ScalePolicy.update_], used by the
+scaler: no host sync, no collective). Because every rank feeds it the same agreed `found_inf`, every
+rank computes the same next scale.
 
-The algorithm, per ``update()`` (DeepSpeed's, the same as Megatron's up to how the hysteresis
-counter is kept; it reduces to torch's when ``hysteresis == 1`` and the scale stays within
-``[min_scale, max_scale]``)::
+The algorithm, per `update()` (DeepSpeed's, the same as Megatron's up to how the hysteresis
+counter is kept; it reduces to torch's when `hysteresis == 1` and the scale stays within
+`[min_scale, max_scale]`):
 
-    if found_inf:
-        growth_tracker = 0
-        if hysteresis_tracker > 1:                    # an overflow still tolerated
-            hysteresis_tracker -= 1
-        else:
-            scale = max(scale * backoff_factor, min_scale)
+```python
+if found_inf:
+    growth_tracker = 0
+    if hysteresis_tracker > 1:                    # an overflow still tolerated
+        hysteresis_tracker -= 1
     else:
-        growth_tracker += 1
-        if growth_tracker == growth_interval:
-            growth_tracker = 0
-            hysteresis_tracker = hysteresis           # replenished on growth
-            if isfinite(scale * growth_factor):       # torch's guard: never grow to inf
-                scale = min(scale * growth_factor, max_scale)
+        scale = max(scale * backoff_factor, min_scale)
+else:
+    growth_tracker += 1
+    if growth_tracker == growth_interval:
+        growth_tracker = 0
+        hysteresis_tracker = hysteresis           # replenished on growth
+        if isfinite(scale * growth_factor):       # torch's guard: never grow to inf
+            scale = min(scale * growth_factor, max_scale)
+```
 
 The scale is float32; each product is taken in float64 and rounded once, as torch's
-``_amp_update_scale_`` does, so both agree bit for bit. With ``dynamic=False`` nothing changes.
+`_amp_update_scale_` does, so both agree bit for bit. With `dynamic=False` nothing changes.
 
->>> policy = ScalePolicy(growth_interval=2)
->>> state = policy.initial_state(8.0)
->>> for found_inf in (False, False, True):
-...     state = policy.next(state, found_inf)
->>> state.scale
-8.0
+Examples:
+    >>> policy = ScalePolicy(growth_interval=2)
+    >>> state = policy.initial_state(8.0)
+    >>> for found_inf in (False, False, True):
+    ...     state = policy.next(state, found_inf)
+    >>> state.scale
+    8.0
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ class ScalePolicy:
     """
 
     growth_factor: float = 2.0
-    """Multiplies the scale after ``growth_interval`` clean steps. Must be > 1."""
+    """Multiplies the scale after `growth_interval` clean steps. Must be > 1."""
     backoff_factor: float = 0.5
     """Multiplies the scale when the tolerated overflows are used up. Must be in (0, 1)."""
     growth_interval: int = 2000
@@ -95,7 +98,7 @@ class ScalePolicy:
     min_scale: float = 1.0
     """The floor: the scale never backs off below it, so it can never reach 0. Must be > 0."""
     max_scale: float = field(default=math.inf)
-    """The ceiling: growth stops here. ``inf`` means no ceiling."""
+    """The ceiling: growth stops here. `inf` means no ceiling."""
     dynamic: bool = True
     """False: the scale never changes (the bf16 guard); non-finite steps are still skipped."""
 
@@ -128,7 +131,7 @@ class ScalePolicy:
             )
 
     def check_scale(self, name: str, scale: float) -> None:
-        """Raise ValueError unless ``scale`` is a value this policy can hold."""
+        """Raise ValueError unless `scale` is a value this policy can hold."""
         if not math.isfinite(scale):
             raise ValueError(f"{name} must be finite, got {scale}")
         if not self.min_scale <= scale <= self.max_scale:
@@ -138,7 +141,7 @@ class ScalePolicy:
             )
 
     def check_state(self, state: ScaleState) -> None:
-        """Raise ValueError unless ``state`` is reachable under this policy."""
+        """Raise ValueError unless `state` is reachable under this policy."""
         self.check_scale("scale", state.scale)
         if not 0 <= state.growth_tracker < self.growth_interval:
             raise ValueError(
@@ -152,11 +155,11 @@ class ScalePolicy:
             )
 
     def initial_state(self, init_scale: float) -> ScaleState:
-        """The state before the first step, at scale ``init_scale`` (float32, as on the device).
+        """The state before the first step, at scale `init_scale` (float32, as on the device).
 
         Raises:
-            TypeError, ValueError: ``init_scale`` is not a finite number in
-                ``[min_scale, max_scale]``.
+            TypeError, ValueError: `init_scale` is not a finite number in
+                `[min_scale, max_scale]`.
         """
         scale = _require_real("init_scale", init_scale)
         self.check_scale("init_scale", scale)
@@ -190,7 +193,7 @@ class ScalePolicy:
         hysteresis_tracker: torch.Tensor,
         found_inf: torch.Tensor,
     ) -> None:
-        """Apply :meth:`next` in place to the device tensors, without a host sync.
+        """Apply [`next()`][next] in place to the device tensors, without a host sync.
 
         Args:
             scale: float32 scalar tensor.

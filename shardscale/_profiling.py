@@ -1,8 +1,8 @@
 """Counting the collectives a block of code issues, to check "one collective per step".
 
 Every collective torch runs passes through one of two dispatcher namespaces, whatever the backend
-(gloo, NCCL) or caller (``torch.distributed``, DTensor, FSDP): ``c10d::`` for the eager API and
-``_c10d_functional::`` for functional collectives. The profiler records both, so counting their
+(gloo, NCCL) or caller (`torch.distributed`, DTensor, FSDP): `c10d::` for the eager API and
+`_c10d_functional::` for functional collectives. The profiler records both, so counting their
 operators counts collectives, ours and torch's alike.
 """
 
@@ -31,10 +31,11 @@ def count_collectives() -> Iterator[Counter[str]]:
 
     The counter is filled when the block exits.
 
-    >>> with count_collectives() as counts:   # doctest: +SKIP
-    ...     scaler.step(optimizer); scaler.update()
-    >>> sum(counts.values())                  # doctest: +SKIP
-    1
+    Examples:
+        >>> with count_collectives() as counts:   # doctest: +SKIP
+        ...     scaler.step(optimizer); scaler.update()
+        >>> sum(counts.values())                  # doctest: +SKIP
+        1
     """
     counts: Counter[str] = Counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -1,16 +1,17 @@
 """What happened at each step, told to whoever listens: stats, hooks, the log, the skip limit,
 the floor warning, located overflows.
 
-Invariant: reporting never adds a host synchronisation to the step. The numbers live on the
-device (``DeviceState``); after each ``update()`` they are packed into one small tensor and
-copied to the host. On the CPU that copy is the read. On a GPU it is started without waiting
-(into one of two pinned buffers taken in turn, on the current stream of the state's own device,
-with an event recorded there) and delivered at the next ``update()`` (or when
-``ShardedGradScaler.stats`` is read), by when the device has long finished it: hooks, log lines
-and the ``max_consecutive_skips`` check then run one step late, and cost no sync (the wait on
-the previous step's event lets the host run at most one step ahead while someone listens).
+Invariant: reporting never adds a host synchronisation to the step. The numbers live on the device
+(`DeviceState`); after each `update()` they are packed into one small tensor and copied to the host.
+On the CPU that copy is the read. On a GPU it is started without waiting (into one of two pinned
+buffers taken in turn, on the current stream of the state's own device, with an event recorded
+there) and delivered at the next `update()` (or when
+[`ShardedGradScaler.stats`][shardscale.ShardedGradScaler.stats] is read), by when the device has
+long finished it: hooks, log lines and the `max_consecutive_skips` check then run one step late, and
+cost no sync (the wait on the previous step's event lets the host run at most one step ahead while
+someone listens).
 
-Nobody listening (no hook, no limit, the ``"shardscale"`` logger below INFO) costs nothing.
+Nobody listening (no hook, no limit, the `"shardscale"` logger below INFO) costs nothing.
 """
 
 from __future__ import annotations
@@ -50,19 +51,19 @@ class ScalerStats:
     """The scaler's counters after a step: identical on every rank of the group."""
 
     steps: int
-    """Steps counted so far (``update()`` calls that consumed an overflow check)."""
+    """Steps counted so far (`update()` calls that consumed an overflow check)."""
     skipped_steps: int
     """Of those, the steps skipped because some rank overflowed."""
     consecutive_skips: int
     """Skipped steps since the last step taken."""
     scale: float
-    """The scale now (after the step's ``update()``)."""
+    """The scale now (after the step's `update()`)."""
     last_overflow_step: int
     """The number (1-based) of the last skipped step; 0 if none was."""
 
     @property
     def last_step_skipped(self) -> bool:
-        """Whether step number ``steps`` was skipped."""
+        """Whether step number `steps` was skipped."""
         return self.steps > 0 and self.last_overflow_step == self.steps
 
 
@@ -78,7 +79,7 @@ def stats_of(scale: float, counters: Counters) -> ScalerStats:
 
 
 def stats_from(values: list[float]) -> ScalerStats:
-    """Stats from ``DeviceState.packed()``'s values, read on the host."""
+    """Stats from `DeviceState.packed()`'s values, read on the host."""
     scale, counters = unpack(values)
     return stats_of(scale.scale, counters)
 
@@ -211,11 +212,11 @@ class StepReporter:
         self._unlogged_skips = 0
 
     def warn_if_at_floor(self, state: DeviceState, policy: ScalePolicy, steps: int) -> float:
-        """Warn, once, when the scale has backed off to ``min_scale`` and cannot go lower.
+        """Warn, once, when the scale has backed off to `min_scale` and cannot go lower.
 
         Reads the scale and the skipped-step count in ONE host read (a synchronisation on an
         accelerator: callers there only call it where they read the device anyway, and
-        ``get_scale()`` takes the scale it returns).
+        `get_scale()` takes the scale it returns).
 
         Returns:
             The scale, as read.

@@ -1,10 +1,10 @@
 """An iteration's checks, its one agreement, and its optimizer steps: the work of one step.
 
 Invariant: every optimizer of an iteration steps or skips on every rank alike, after ONE
-collective per ``step()``/``clip_grad_norm_()`` call however many optimizers, devices and dtypes
-hold the gradients, and ``unscale_()`` adds none (its local check waits for that collective).
+collective per `step()`/`clip_grad_norm_()` call however many optimizers, devices and dtypes
+hold the gradients, and `unscale_()` adds none (its local check waits for that collective).
 
-The :class:`Stepper` does the work for a scaler and an :class:`~shardscale._iteration.IterationBook`
+The [`Stepper`][] does the work for a scaler and an [`IterationBook`][]
 (which optimizer is where in the iteration); the scaler owns the scale and the state. It also
 carries what a rank learns across iterations: its gradient walks (cached while the gradients stay
 the same tensors), whether it is a pipeline stage that computes no loss, and where the last
@@ -51,7 +51,7 @@ class Stepper:
     Args:
         agreement: the process group and its one collective.
         locate_overflow: on overflow steps, find and log the non-finite gradients.
-        defers_agreement: whether ``unscale_`` leaves its agreement to the next step, clip or
+        defers_agreement: whether `unscale_` leaves its agreement to the next step, clip or
             update (False where those may run on another thread: the async scaler).
     """
 
@@ -81,7 +81,7 @@ class Stepper:
     def unscale(
         self, book: IterationBook, target: object, scale: torch.Tensor
     ) -> list[OptimizerRecord]:
-        """``unscale_`` of ``target``'s optimizers; returns their records."""
+        """`unscale_` of `target`'s optimizers; returns their records."""
         leaves = [leaf for item in steppables(target) for leaf in item.leaves]
         to_check, adopted = book.begin_unscale(leaves)
         self._locate_adopted(book, adopted)
@@ -102,10 +102,10 @@ class Stepper:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> tuple[Any, bool | torch.Tensor, list[OptimizerRecord]]:
-        """``step`` of ``target`` (an optimizer, a container of them, or a list).
+        """`step` of `target` (an optimizer, a container of them, or a list).
 
         Returns:
-            What the ``step()`` calls returned (a list for a list), the decision (a bool where
+            What the `step()` calls returned (a list for a list), the decision (a bool where
             the host read it, else the agreed device flag), and the records stepped.
         """
         items = steppables(target)
@@ -153,14 +153,14 @@ class Stepper:
         return result, decisions.get(id(overall), overall), records
 
     def resolve_pending(self, book: IterationBook, scale: torch.Tensor, funcname: str) -> None:
-        """Agree on the checks ``unscale_`` left pending (``update()`` without ``step()``)."""
+        """Agree on the checks `unscale_` left pending (`update()` without `step()`)."""
         if book.pending is not None:
             self._check_and_agree(book, [], [], scale, funcname)
 
     def _check_locally(
         self, book: IterationBook, records: list[OptimizerRecord], scale: torch.Tensor
     ) -> None:
-        """Unscale and check ``records``' gradients in place; leave the agreement pending."""
+        """Unscale and check `records`' gradients in place; leave the agreement pending."""
         with torch.no_grad():
             walk = self._walk("unscale", records)
             flags = check_and_unscale_(walk.kernel_groups(), inverse(scale))
@@ -169,7 +169,7 @@ class Stepper:
             record.stage = Stage.UNSCALED
 
     def _walk(self, purpose: str, records: list[OptimizerRecord]) -> GradWalk:
-        """The local gradients of ``records``' optimizers, their layout cached per purpose and
+        """The local gradients of `records`' optimizers, their layout cached per purpose and
         optimizer set (unscaled gradients and only-checked ones are never walked together)."""
         return self._cache.walk(
             (purpose, *(id(r.optimizer) for r in records)),
@@ -186,10 +186,10 @@ class Stepper:
     ) -> None:
         """Check (and unscale) the records' gradients, then agree on ONE flag for all of them.
 
-        ``to_unscale``'s gradients are divided by the scale in place (their stage becomes
-        UNSCALED); ``to_check``'s are only checked (fused optimizers unscale them in their own
-        kernel); checks ``unscale_`` left pending join. Every record gets the agreed
-        ``found_inf``. On a rank that never called ``scale()`` nothing is modified until the
+        `to_unscale`'s gradients are divided by the scale in place (their stage becomes
+        UNSCALED); `to_check`'s are only checked (fused optimizers unscale them in their own
+        kernel); checks `unscale_` left pending join. Every record gets the agreed
+        `found_inf`. On a rank that never called `scale()` nothing is modified until the
         group has confirmed that some rank did.
         """
         confirm = funcname if self.scale_unconfirmed else None
@@ -236,12 +236,12 @@ class Stepper:
         replicas: int,
         scale: torch.Tensor | None,
     ) -> torch.Tensor:
-        """``clip_grad_norm_``: norm (one read), agreement (one collective), clip (one write).
+        """`clip_grad_norm_`: norm (one read), agreement (one collective), clip (one write).
 
         Args:
             book: the iteration (None: a disabled scaler, which only clips).
             scale: the scale the gradients carry, or None: only the norm is exchanged (a
-                disabled scaler). Gradients ``unscale_`` already unscaled are clipped as they
+                disabled scaler). Gradients `unscale_` already unscaled are clipped as they
                 are, and its pending check joins the collective.
 
         Raises:
@@ -351,14 +351,14 @@ class Stepper:
     # ------------------------------------------------------------------ locating overflows
 
     def _locate_adopted(self, book: IterationBook, adopted: list[OptimizerRecord]) -> None:
-        """Locate an overflow for the records that just took ``clip_grad_norm_``'s verdict."""
+        """Locate an overflow for the records that just took `clip_grad_norm_`'s verdict."""
         if adopted and book.clipped is not None:
             self._locate_if_overflowed(book.clipped.found_inf, adopted, book.step)
 
     def _locate_if_overflowed(
         self, found_inf: torch.Tensor, records: list[OptimizerRecord], step: int
     ) -> None:
-        """With ``locate_overflow``: on an overflow step, find and log the non-finite grads."""
+        """With `locate_overflow`: on an overflow step, find and log the non-finite grads."""
         if not (self._locate_overflow and records):
             return
         self.agreement.settle()  # a host read of the agreed flag: bounded by sync_timeout
@@ -383,19 +383,19 @@ def _step_on_device(
     kwargs: dict[str, Any],
     settle: Callable[[], None],
 ) -> Any:
-    """Step ``item``, handing every fused optimizer in it the scale and the agreed flag.
+    """Step `item`, handing every fused optimizer in it the scale and the agreed flag.
 
-    A fused optimizer whose gradients are still scaled gets ``grad_scale`` (times its own, if the
-    user set one); one already unscaled (``unscale_``, ``clip_grad_norm_``) gets only its own. It
-    then skips on the device if ``found_inf`` is 1.0.
+    A fused optimizer whose gradients are still scaled gets `grad_scale` (times its own, if the
+    user set one); one already unscaled (`unscale_`, `clip_grad_norm_`) gets only its own. It
+    then skips on the device if `found_inf` is 1.0.
 
-    Each gets both tensors on its own parameters' device (see ``_params_device``). torch's fused
-    Adam/AdamW/Adagrad move them there with ``non_blocking=True``, which from a GPU to the CPU
+    Each gets both tensors on its own parameters' device (see `_params_device`). torch's fused
+    Adam/AdamW/Adagrad move them there with `non_blocking=True`, which from a GPU to the CPU
     returns before the copy lands, and their CPU kernel reads the values at once (a stale scale,
     a missed skip: inf in CPU-offloaded master weights). So the copy to the CPU is made here,
     blocking: one device-to-host copy per step and CPU device, the price of a CPU kernel that
     needs a device value. Where the tensors are already on the parameters' device: no copy.
-    ``settle`` (the agreement's) runs before a copy to the CPU, which reads the agreed flag and
+    `settle` (the agreement's) runs before a copy to the CPU, which reads the agreed flag and
     must not wait unbounded for a collective still in flight.
     """
     handed = []
@@ -430,10 +430,10 @@ def _step_on_device(
 
 
 def _params_device(optimizer: torch.optim.Optimizer) -> torch.device | None:
-    """The one device ``optimizer``'s parameters live on; None if they span several (or none).
+    """The one device `optimizer`'s parameters live on; None if they span several (or none).
 
     Over several devices torch's fused optimizers group the parameters per device and move
-    ``grad_scale``/``found_inf`` to each themselves: the tensors are then handed where the scale
+    `grad_scale`/`found_inf` to each themselves: the tensors are then handed where the scale
     is, and a CPU group among them keeps torch's own (racy) non-blocking copy. Keep the
     parameters of a fused optimizer on one device.
     """
@@ -444,7 +444,7 @@ def _params_device(optimizer: torch.optim.Optimizer) -> torch.device | None:
 def _to_device(
     grad_scale: torch.Tensor | None, found_inf: torch.Tensor, device: torch.device
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``grad_scale`` and ``found_inf`` on ``device``: themselves when there, else ONE copy.
+    """`grad_scale` and `found_inf` on `device`: themselves when there, else ONE copy.
 
     Both travel as one stacked tensor (one blocking copy to the CPU, not two), unstacked as views.
     """
@@ -458,7 +458,7 @@ def _to_device(
 
 
 def plain_replicas(replica_group: object, world_size: int) -> int:
-    """The number of ranks ``clip_grad_norm_``'s ``replica_group`` names (see its docs)."""
+    """The number of ranks `clip_grad_norm_`'s `replica_group` names (see its docs)."""
     if replica_group is None:
         return world_size
     if isinstance(replica_group, DeviceMesh):

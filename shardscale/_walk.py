@@ -2,8 +2,8 @@
 
 Every step walks hundreds of parameters, so the walk is cached (`GradCache`): while the local
 gradient tensors are the very same objects as last step (FSDP2 and DDP keep them when gradients
-are zeroed in place; FSDP2 makes new ones after ``zero_grad(set_to_none=True)``), the grouping is
-reused, and so are *flat buffers*: FSDP2's local gradients of one ``fully_shard`` group are
+are zeroed in place; FSDP2 makes new ones after `zero_grad(set_to_none=True)`), the grouping is
+reused, and so are *flat buffers*: FSDP2's local gradients of one `fully_shard` group are
 contiguous views into one reduce-scatter buffer, so where the views tile a buffer exactly (no gap,
 no overlap: padding is never read as gradient) the kernels take the buffer as one tensor.
 
@@ -38,7 +38,7 @@ NormKey = tuple[torch.device, torch.dtype, int]
 
 
 def _flat_layout(local: list[torch.Tensor | None], indices: list[int]) -> list[_Entry]:
-    """``indices``, with every set whose gradients exactly tile a buffer made one entry."""
+    """`indices`, with every set whose gradients exactly tile a buffer made one entry."""
     by_base: dict[int, tuple[torch.Tensor, list[int]]] = {}
     entries: list[_Entry] = []
     for i in indices:
@@ -56,7 +56,7 @@ def _flat_layout(local: list[torch.Tensor | None], indices: list[int]) -> list[_
 
 
 def _tiles(base: torch.Tensor, views: list[torch.Tensor]) -> bool:
-    """Whether ``views`` (all of ``base``) lie end to end over all of ``base``, contiguous."""
+    """Whether `views` (all of `base`) lie end to end over all of `base`, contiguous."""
     if not base.is_contiguous():
         return False
     spans = []
@@ -146,7 +146,7 @@ class GradWalk:
 
     def norm_groups(self, plain_replicas: int) -> tuple[dict[NormKey, list[torch.Tensor]], bool]:
         """The local gradients by (device, dtype, replica count), flat where possible, and
-        whether any was a plain tensor (its replica count came from ``plain_replicas``)."""
+        whether any was a plain tensor (its replica count came from `plain_replicas`)."""
         layout = self._layout
         if plain_replicas not in layout.norms:
             by_key: dict[NormKey, list[int]] = {}
@@ -173,14 +173,14 @@ class _ReplicaMemo:
     A layout is fixed for a job; computing it from meshes and placements for hundreds of
     parameters each step is not free. The layout is recognised by its mesh (the same object)
     and placements (equal): FSDP2 hands out each step's gradients with the same spec object,
-    but code that builds gradients with ``DTensor.from_local`` makes a new, equal one each time.
+    but code that builds gradients with `DTensor.from_local` makes a new, equal one each time.
     """
 
     def __init__(self) -> None:
         self._memo: dict[int, tuple[weakref.ref[torch.Tensor], object, object, int, int, bool]] = {}
 
     def get(self, param: torch.Tensor, grad: torch.Tensor, plain_replicas: int) -> tuple[int, bool]:
-        """``(replica_count(param, plain_replicas), whether the gradient is a plain tensor)``."""
+        """`(replica_count(param, plain_replicas), whether the gradient is a plain tensor)`."""
         mesh, placements = (
             (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else (None, None)
         )
@@ -213,9 +213,9 @@ class GradCache:
 
     Reusing is safe because the check is on the identity of every local gradient tensor, each
     step: the same objects hold whatever values they now hold (the kernels read them afresh),
-    and a new gradient (``zero_grad(set_to_none=True)``, an FSDP2 backward after it, a reassigned
-    ``.grad``) is a new object, which is walked again. Only weak references are kept, so
-    gradients freed by ``zero_grad`` are freed. Sparse gradients are never cached (coalescing
+    and a new gradient (`zero_grad(set_to_none=True)`, an FSDP2 backward after it, a reassigned
+    `.grad`) is a new object, which is walked again. Only weak references are kept, so
+    gradients freed by `zero_grad` are freed. Sparse gradients are never cached (coalescing
     replaces them).
     """
 
@@ -224,7 +224,7 @@ class GradCache:
         self._memo = _ReplicaMemo()
 
     def walk(self, key: Hashable, params: Iterable[torch.Tensor]) -> GradWalk:
-        """This step's walk of ``params``' local gradients, laid out as cached under ``key``.
+        """This step's walk of `params`' local gradients, laid out as cached under `key`.
 
         Raises:
             TypeError: a gradient is not floating point.

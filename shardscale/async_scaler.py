@@ -2,33 +2,33 @@
 
 The pattern (RoundPipe's, DeepSpeed's CPU-offloaded optimizers): the compute thread runs
 iteration k+1's forward and backward while an optimizer thread unscales and steps iteration k,
-and the main thread calls ``update()`` for iteration k as soon as it has handed iteration k over,
-possibly before that step has run. ``torch.amp.GradScaler`` breaks there: it unscales with
-whatever the scale is when ``unscale_`` runs, and its in-place ``update()`` modifies the scale
+and the main thread calls `update()` for iteration k as soon as it has handed iteration k over,
+possibly before that step has run. `torch.amp.GradScaler` breaks there: it unscales with
+whatever the scale is when `unscale_` runs, and its in-place `update()` modifies the scale
 tensor a pending backward saved ("modified by an inplace operation").
 
 Semantics (the contract this module keeps):
 
-* Iterations are delimited by ``update()``: iteration k is every ``scale()`` call after the
-  (k-1)-th ``update()`` and up to the k-th. Call ``update()`` for iteration k before the first
-  ``scale()`` of iteration k+1 (on any thread); several ``scale()`` calls in one iteration
+* Iterations are delimited by `update()`: iteration k is every `scale()` call after the
+  (k-1)-th `update()` and up to the k-th. Call `update()` for iteration k before the first
+  `scale()` of iteration k+1 (on any thread); several `scale()` calls in one iteration
   (gradient accumulation) share its scale.
-* ``scale()`` of iteration k+1 gets the scale that ``update()`` of iteration k produced, exactly
+* `scale()` of iteration k+1 gets the scale that `update()` of iteration k produced, exactly
   as in synchronous training, so every rank scales every iteration alike. Iteration k's outcome
-  is known once its overflow flag is agreed (inside its ``unscale_()``/``step()``), not when its
-  optimizer step ends: ``scale()`` waits for that agreement only, and the optimizer's
+  is known once its overflow flag is agreed (inside its `unscale_()`/`step()`), not when its
+  optimizer step ends: `scale()` waits for that agreement only, and the optimizer's
   arithmetic overlaps the next forward and backward.
-* ``unscale_()``/``step()`` serve the oldest iteration not yet stepped, and divide out exactly
+* `unscale_()`/`step()` serve the oldest iteration not yet stepped, and divide out exactly
   the scale its losses were multiplied by (each iteration keeps its own copy, which nothing
   modifies in place).
-* ``update()`` never waits for the step: the scale moves when both ``update()`` was called and
+* `update()` never waits for the step: the scale moves when both `update()` was called and
   the flag was agreed, on whichever thread comes second.
 * One optimizer per scaler (a second one raises): its step is what resolves an iteration.
 * The scaler's collectives run on a process group of their own, created at construction (every
-  rank builds the scaler, after ``init_process_group``): collectives of one group must be issued
+  rank builds the scaler, after `init_process_group`): collectives of one group must be issued
   in the same order on every rank, and the optimizer thread's would race with the model's.
-* Waits are bounded by ``step_timeout``; an exception in a step is re-raised, chained, by the
-  ``scale()`` waiting for that iteration.
+* Waits are bounded by `step_timeout`; an exception in a step is re-raised, chained, by the
+  `scale()` waiting for that iteration.
 """
 
 from __future__ import annotations
@@ -57,11 +57,11 @@ __all__ = ["AsyncShardedGradScaler", "on_device"]
 
 
 def on_device(device: torch.device) -> AbstractContextManager[object]:
-    """Make ``device`` the current one of its type on this thread, for the block.
+    """Make `device` the current one of its type on this thread, for the block.
 
     The optimizer thread is a new thread, whose current CUDA device is 0 whatever the compute
     thread set: the collectives' device, the stats copy's stream and anything else that follows
-    the current device would land on GPU 0 from every rank. No-op on the CPU, on ``meta`` and
+    the current device would land on GPU 0 from every rank. No-op on the CPU, on `meta` and
     for a device without an index.
     """
     if device.type in ("cpu", "meta") or device.index is None:
@@ -74,7 +74,7 @@ def on_device(device: torch.device) -> AbstractContextManager[object]:
 @dataclass(eq=False, slots=True)
 class _Iteration:
     number: int
-    """1-based, counted by this scaler (the step it takes is ``book.step``)."""
+    """1-based, counted by this scaler (the step it takes is `book.step`)."""
     book: IterationBook
     closed: bool = False
     """update() was called for it."""
@@ -94,10 +94,10 @@ class _Iteration:
 
 
 class AsyncShardedGradScaler(ShardedGradScaler):
-    """:class:`ShardedGradScaler` for an optimizer stepping on another thread (module docstring).
+    """[`ShardedGradScaler`][] for an optimizer stepping on another thread (module docstring).
 
-    Example::
-
+    Example:
+        ```python
         scaler = AsyncShardedGradScaler()
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)   # the optimizer thread
 
@@ -112,21 +112,22 @@ class AsyncShardedGradScaler(ShardedGradScaler):
             model.zero_grad(set_to_none=True)                # the next backward gets fresh ones
             pool.submit(optimizer_step, grads)
             scaler.update()                   # may come before that step; never waits for it
+        ```
 
     Args:
-        step_timeout: the longest wait (``timedelta`` or seconds) of ``scale()``,
-            ``state_dict()`` and friends for an iteration's step to agree its flag. Default 600 s.
+        step_timeout: the longest wait (`timedelta` or seconds) of `scale()`,
+            `state_dict()` and friends for an iteration's step to agree its flag. Default 600 s.
         flag_backend: the backend of the scaler's own process group; None: its group's. On
-            NCCL pass ``"gloo"``: the optimizer thread then never runs NCCL kernels beside the
+            NCCL pass `"gloo"`: the optimizer thread then never runs NCCL kernels beside the
             model's (docs/async.md), and a proper subgroup works with a bound device
-            (``init_process_group(device_id=...)``), where an NCCL group cannot be made by its
+            (`init_process_group(device_id=...)`), where an NCCL group cannot be made by its
             members alone. Costs one small host copy of the flag per step.
-        **kwargs: as for :class:`ShardedGradScaler`, except ``verify_every`` (its collective
-            would race with the optimizer thread's; call :meth:`verify_agreement` between
+        **kwargs: as for [`ShardedGradScaler`][], except `verify_every` (its collective would race
+            with the optimizer thread's; call [`verify_agreement()`][verify_agreement] between
             iterations instead).
 
     Raises:
-        ValueError: ``verify_every`` was given, or ``step_timeout`` is not a time > 0.
+        ValueError: `verify_every` was given, or `step_timeout` is not a time > 0.
     """
 
     def __init__(
@@ -166,10 +167,11 @@ class AsyncShardedGradScaler(ShardedGradScaler):
     # ------------------------------------------------------------------ the iteration
 
     def scale(self, outputs: Any) -> Any:
-        """As :meth:`ShardedGradScaler.scale`, with this iteration's scale: the one ``update()``
-        of the previous iteration made.
+        """As [`ShardedGradScaler.scale()`][ShardedGradScaler.scale].
 
-        The first ``scale()`` of an iteration waits (at most ``step_timeout``) until the
+        With this iteration's scale: the one `update()` of the previous iteration made.
+
+        The first `scale()` of an iteration waits (at most `step_timeout`) until the
         previous iteration's overflow flag is agreed; later calls of the same iteration do not.
         """
         if self._enabled:
@@ -195,7 +197,10 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         self._book = book  # scale() fills in its loss scale: a copy of the scale now
 
     def unscale_(self, optimizer: OptimizerTarget) -> None:
-        """As :meth:`ShardedGradScaler.unscale_`, for the oldest iteration not yet stepped."""
+        """As [`ShardedGradScaler.unscale_()`][ShardedGradScaler.unscale_].
+
+        For the oldest iteration not yet stepped.
+        """
         if not self._enabled:
             return
         with self._serving(optimizer, "unscale_") as iteration:
@@ -204,10 +209,12 @@ class AsyncShardedGradScaler(ShardedGradScaler):
                 self._stepper.unscale(iteration.book, optimizer, scale)
 
     def step(self, optimizer: OptimizerTarget, *args: Any, **kwargs: Any) -> Any:
-        """As :meth:`ShardedGradScaler.step`, for the oldest iteration not yet stepped.
+        """As [`ShardedGradScaler.step()`][ShardedGradScaler.step].
+
+        For the oldest iteration not yet stepped.
 
         Raises:
-            NotImplementedError: the optimizer takes torch's deprecated ``grad_scaler=``.
+            NotImplementedError: the optimizer takes torch's deprecated `grad_scaler=`.
         """
         if not self._enabled or "closure" in kwargs:
             return super().step(optimizer, *args, **kwargs)
@@ -232,7 +239,7 @@ class AsyncShardedGradScaler(ShardedGradScaler):
     @contextmanager
     def _serving(self, optimizer: OptimizerTarget, funcname: str) -> Iterator[_Iteration]:
         """The oldest iteration not yet stepped; a failure inside marks it failed for whoever
-        waits for its outcome (a later ``scale()``)."""
+        waits for its outcome (a later `scale()`)."""
         leaves = [leaf for item in steppables(optimizer) for leaf in item.leaves]
         with self._lock:
             for leaf in leaves:
@@ -270,11 +277,11 @@ class AsyncShardedGradScaler(ShardedGradScaler):
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """End the current iteration; its scale update happens once its flag is agreed.
 
-        Never waits for the step. ``new_scale`` is applied in that update, as in
-        :meth:`ShardedGradScaler.update`.
+        Never waits for the step. `new_scale` is applied in that update, as in
+        [`ShardedGradScaler.update()`][ShardedGradScaler.update].
 
         Raises:
-            RuntimeError: no ``scale()`` was called since the last update().
+            RuntimeError: no `scale()` was called since the last update().
         """
         if not self._enabled:
             return
@@ -313,7 +320,7 @@ class AsyncShardedGradScaler(ShardedGradScaler):
     # ------------------------------------------------------------------ waiting
 
     def _wait(self, ready: Callable[[], bool], what: Callable[[], str]) -> None:
-        """Wait (lock held) until ``ready()``; raise on timeout or a failed step."""
+        """Wait (lock held) until `ready()`; raise on timeout or a failed step."""
 
         def done() -> bool:
             return ready() or any(it.failure is not None for it in self._iterations)
@@ -352,7 +359,7 @@ class AsyncShardedGradScaler(ShardedGradScaler):
 
     def _compat_book(self) -> IterationBook:
         """The iteration torch's private views read: the oldest not yet resolved (the one a
-        step serves), else the one ``scale()`` feeds."""
+        step serves), else the one `scale()` feeds."""
         with self._lock:
             oldest = next((it for it in self._iterations if not it.resolved), None)
             return oldest.book if oldest is not None else self._book
@@ -361,7 +368,7 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         """Refused: the check belongs to the step of the iteration it serves (its thread).
 
         Raises:
-            NotImplementedError: always; ``step()`` checks and agrees by itself.
+            NotImplementedError: always; `step()` checks and agrees by itself.
         """
         raise NotImplementedError(
             "AsyncShardedGradScaler._check_inf_per_device() is refused: an iteration's check "
@@ -381,7 +388,7 @@ class AsyncShardedGradScaler(ShardedGradScaler):
 
     @property
     def stats(self) -> ScalerStats:
-        """As :attr:`ShardedGradScaler.stats`, after the ended iterations have resolved."""
+        """As [`ShardedGradScaler.stats`][], after the ended iterations have resolved."""
         with self._lock:
             self._drained("stats")
             return super().stats
@@ -393,13 +400,18 @@ class AsyncShardedGradScaler(ShardedGradScaler):
             return super().get_scale()
 
     def state_dict(self) -> dict[str, Any]:
-        """As :meth:`ShardedGradScaler.state_dict`, after the ended iterations have resolved."""
+        """As [`ShardedGradScaler.state_dict()`][ShardedGradScaler.state_dict].
+
+        After the ended iterations have resolved.
+        """
         with self._lock:
             self._drained("state_dict()")
             return super().state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """As :meth:`ShardedGradScaler.load_state_dict`; only with no iteration in flight.
+        """As [`ShardedGradScaler.load_state_dict()`][ShardedGradScaler.load_state_dict].
+
+        Only with no iteration in flight.
 
         Raises:
             RuntimeError: an iteration was scaled and not yet resolved.
@@ -413,7 +425,10 @@ class AsyncShardedGradScaler(ShardedGradScaler):
             super().load_state_dict(state_dict)
 
     def verify_agreement(self) -> None:
-        """As :meth:`ShardedGradScaler.verify_agreement`; call it with no step in flight."""
+        """As [`ShardedGradScaler.verify_agreement()`][ShardedGradScaler.verify_agreement].
+
+        Call it with no step in flight.
+        """
         with self._lock:
             self._drained("verify_agreement()")
             super().verify_agreement()
@@ -426,7 +441,7 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         *,
         replica_group: dist.ProcessGroup | DeviceMesh | int | None = None,
     ) -> torch.Tensor:
-        """Not supported here: ``unscale_(optimizer)`` then clip (FSDP1: ``model.clip_grad_norm_``).
+        """Not supported here: `unscale_(optimizer)` then clip (FSDP1: `model.clip_grad_norm_`).
 
         Raises:
             NotImplementedError: always.

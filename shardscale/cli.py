@@ -1,7 +1,7 @@
-"""The ``shardscale`` command: ``shardscale inspect CKPT_DIR``.
+"""The `shardscale` command: `shardscale inspect CKPT_DIR`.
 
-Reads a ``torch.distributed.checkpoint`` folder on one process, without a process group and
-without loading the weights: only the scaler's entries and the optimizer's ``step`` counters.
+Reads a `torch.distributed.checkpoint` folder on one process, without a process group and
+without loading the weights: only the scaler's entries and the optimizer's `step` counters.
 It prints the scaler state and checks that every parameter's optimizer step counter agrees
 (they must: a rank that stepped while another skipped leaves them apart). Exit status: 0 when
 consistent, 1 when the counters disagree, 2 when the folder is not a readable checkpoint.
@@ -40,7 +40,7 @@ class CheckpointUnreadable(RuntimeError):
 
 
 def _read(path: Path, keys: list[str]) -> dict[str, Any]:
-    """Load only ``keys`` (flattened DCP names) from the checkpoint at ``path``."""
+    """Load only `keys` (flattened DCP names) from the checkpoint at `path`."""
     metadata = FileSystemReader(path).read_metadata().state_dict_metadata
     template: dict[str, Any] = {}
     for key in keys:
@@ -56,16 +56,16 @@ def _read(path: Path, keys: list[str]) -> dict[str, Any]:
 
 
 def inspect_checkpoint(path: Path) -> dict[str, Any]:
-    """The scaler states and optimizer step counters stored in the checkpoint at ``path``.
+    """The scaler states and optimizer step counters stored in the checkpoint at `path`.
 
-    ``path`` may also be a folder of checkpoints (``step_NNNNNN/``, as ``launch/job/train.py``
+    `path` may also be a folder of checkpoints (`step_NNNNNN/`, as `launch/job/train.py`
     writes them): the newest complete one is read.
 
     Returns:
-        ``{"scalers": {prefix: state}, "step_counters": {optimizer: {param: step}}}``.
+        `{"scalers": {prefix: state}, "step_counters": {optimizer: {param: step}}}`.
 
     Raises:
-        CheckpointUnreadable: ``path`` holds no readable DCP checkpoint.
+        CheckpointUnreadable: `path` holds no readable DCP checkpoint.
     """
     path = _newest_checkpoint(path)
     if not (path / ".metadata").is_file():

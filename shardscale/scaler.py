@@ -1,14 +1,14 @@
 """ShardedGradScaler: torch's loss-scaling protocol, with every rank of the group agreeing.
 
-Invariant: after ``step()`` every rank of the process group has made the same skip/step
-decision for its optimizers, and after ``update()`` every rank holds the same scale, trackers
+Invariant: after `step()` every rank of the process group has made the same skip/step
+decision for its optimizers, and after `update()` every rank holds the same scale, trackers
 and counters. That holds because each rank checks its own gradient shards and the ranks then
 share ONE flag tensor in ONE all-reduce per step; everything after that (the skip decision, the
 policy maths) is a deterministic function of the agreed flag.
 
-The class orchestrates and stays thin: ``_config`` validates the options, ``_iteration`` keeps
-the iteration's call-order state, ``_stepping`` checks, agrees, clips and steps, ``_device_state``
-holds the scale on the device, ``_checkpoint`` reads and writes state dicts, ``_report`` tells
+The class orchestrates and stays thin: `_config` validates the options, `_iteration` keeps
+the iteration's call-order state, `_stepping` checks, agrees, clips and steps, `_device_state`
+holds the scale on the device, `_checkpoint` reads and writes state dicts, `_report` tells
 what happened.
 """
 
@@ -47,22 +47,22 @@ __all__ = ["ShardedGradScaler"]
 class ShardedGradScaler(torch.amp.GradScaler):
     """Loss scaler for sharded mixed-precision training whose ranks always agree.
 
-    A drop-in for ``torch.amp.GradScaler`` and
-    ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``, with the same methods,
-    call-order errors and state-dict keys. It is a ``torch.amp.GradScaler`` (scripts guard
-    resume and clipping with that ``isinstance``), built without torch's ``__init__``: every
+    A drop-in for `torch.amp.GradScaler` and
+    `torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`, with the same methods,
+    call-order errors and state-dict keys. It is a `torch.amp.GradScaler` (scripts guard
+    resume and clipping with that `isinstance`), built without torch's `__init__`: every
     method and attribute of torch's class is defined here, on our state, and the private
-    members public code reads (``_per_optimizer_states``, ``_found_inf_per_device``, ``_scale``
+    members public code reads (`_per_optimizer_states`, `_found_inf_per_device`, `_scale`
     ...) answer with the agreed state (docs/migration.md lists them).
 
     Each rank checks its local gradient shards (plain, DDP, FSDP1 flat parameters,
     FSDP2/DTensor, CPU-offloaded, sparse) for inf/NaN, and the ranks agree in one all-reduce
     per step, so every rank skips or steps together. With
     no initialised process group, or a world size of 1, it issues no collective and behaves like
-    ``torch.amp.GradScaler``.
+    `torch.amp.GradScaler`.
 
-    Example::
-
+    Example:
+        ```python
         scaler = ShardedGradScaler()
         for inputs, targets in loader:
             optimizer.zero_grad()
@@ -73,39 +73,41 @@ class ShardedGradScaler(torch.amp.GradScaler):
             scaler.update()
             if scaler.last_step_skipped:
                 ...
+        ```
 
     Args:
-        device: device type of the loss (``"cuda"``, ``"cpu"``, ...). None (the default) takes
-            it from the first tensor passed to :meth:`scale`, so one script runs on CPU and GPU.
-            As torch does, ``"cuda"`` without CUDA warns and disables the scaler.
-        init_scale: the first step's scale. Default ``2.0**16``, or 1.0 when ``dynamic=False``.
-        growth_factor: multiplies the scale after ``growth_interval`` clean steps (> 1).
+        device: device type of the loss (`"cuda"`, `"cpu"`, ...). None (the default) takes it from
+            the first tensor passed to [`scale()`][scale], so one script runs on CPU and GPU. As
+            torch does, `"cuda"` without CUDA warns and disables the scaler.
+        init_scale: the first step's scale. Default `2.0**16`, or 1.0 when `dynamic=False`.
+        growth_factor: multiplies the scale after `growth_interval` clean steps (> 1).
         backoff_factor: multiplies the scale on an overflow (in (0, 1)).
         growth_interval: consecutive clean steps before the scale grows (>= 1).
-        enabled: False makes every method a no-op and :meth:`step` a plain ``optimizer.step()``.
+        enabled: False makes every method a no-op and [`step()`][step] a plain `optimizer.step()`.
         process_group: the ranks that must agree. None: the default (world) group.
         hysteresis: overflows tolerated before backing off, replenished on growth (Megatron,
             DeepSpeed). 1, the default, backs off at every overflow, as torch does.
         min_scale: the floor (> 0), so the scale can never collapse to 0. Reaching it warns
             once; steps that overflow there are skipped and the scale holds. Default 1.0.
         max_scale: the ceiling for growth. None: no ceiling.
-        dynamic: False keeps the scale fixed (use ``init_scale=1.0`` as a bf16 guard): non-finite
+        dynamic: False keeps the scale fixed (use `init_scale=1.0` as a bf16 guard): non-finite
             steps are still skipped on every rank together.
-        sync_timeout: the longest wait (a ``timedelta`` or seconds) for the other ranks at the
+        sync_timeout: the longest wait (a `timedelta` or seconds) for the other ranks at the
             scaler's collectives; a rank that never arrives then raises
-            :class:`ShardScaleDistributedError` naming the step. None: the process group's own
-            timeout (torch's defaults: 30 minutes for gloo, 10 for NCCL). On NCCL it is counted
-            from the enqueue, so choose more than the longest step's GPU time (docs/reliability.md).
-        verify_every: call :meth:`verify_agreement` every N steps (one small collective and
-            one host sync each time). 0, the default: never.
-        max_consecutive_skips: raise :class:`ShardScaleSkipError` (naming the step and the
-            scale) when more consecutive steps than this are skipped, instead of skipping
-            forever. None, the default: no limit.
-        locate_overflow: on steps that overflow, find which parameters hold the inf/NaN
-            gradients on which rank (:func:`find_nonfinite_grads`), keep the records in
-            :attr:`last_overflow` and log them (WARNING, logger ``"shardscale"``). Clean steps
-            pay nothing; an overflow step pays host reads and one gather of the records. Name
-            the parameters by building the optimizer from ``model.named_parameters()``.
+            [`ShardScaleDistributedError`][shardscale.ShardScaleDistributedError] naming the step.
+            None: the process group's own timeout (torch's defaults: 30 minutes for gloo, 10 for
+            NCCL). On NCCL it is counted from the enqueue, so choose more than the longest step's
+            GPU time (docs/reliability.md).
+        verify_every: call [`verify_agreement()`][verify_agreement] every N steps (one small
+            collective and one host sync each time). 0, the default: never.
+        max_consecutive_skips: raise [`ShardScaleSkipError`][shardscale.ShardScaleSkipError] (naming
+            the step and the scale) when more consecutive steps than this are skipped, instead of
+            skipping forever. None, the default: no limit.
+        locate_overflow: on steps that overflow, find which parameters hold the inf/NaN gradients on
+            which rank ([`find_nonfinite_grads()`][shardscale.find_nonfinite_grads]), keep the
+            records in [`last_overflow`][] and log them (WARNING, logger `"shardscale"`). Clean
+            steps pay nothing; an overflow step pays host reads and one gather of the records. Name
+            the parameters by building the optimizer from `model.named_parameters()`.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -243,7 +245,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
         Raises:
             TypeError: an output is not a floating-point tensor.
-            ValueError: a tensor is on another device type than ``device`` named.
+            ValueError: a tensor is on another device type than `device` named.
         """
         if not self._enabled:
             return outputs
@@ -278,19 +280,19 @@ class ShardedGradScaler(torch.amp.GradScaler):
         return (output * move(book.loss_scale, output.device)).to(output.dtype)
 
     def unscale_(self, optimizer: OptimizerTarget) -> None:
-        """Divide ``optimizer``'s gradients by the scale in place, and check them for inf/NaN.
+        """Divide `optimizer`'s gradients by the scale in place, and check them for inf/NaN.
 
-        Optional: :meth:`step` unscales by itself. Call it to clip or inspect unscaled
-        gradients between backward and :meth:`step`. The check is local; the ranks agree on it
-        at the next point that needs their decision or a global norm (:meth:`step`,
-        :meth:`clip_grad_norm_`, :meth:`update`), in that point's one collective, so
-        ``unscale_`` + ``clip_grad_norm_`` + ``step`` cost one collective. No host
-        synchronisation. ``optimizer`` may be a list of optimizers, or a container of them
-        (torchtitan's ``OptimizersContainer``, Megatron's ``ChainedOptimizer``).
+        Optional: [`step()`][step] unscales by itself. Call it to clip or inspect unscaled gradients
+        between backward and [`step()`][step]. The check is local; the ranks agree on it at the next
+        point that needs their decision or a global norm ([`step()`][step],
+        [`clip_grad_norm_()`][clip_grad_norm_], [`update()`][update]), in that point's one
+        collective, so `unscale_` + `clip_grad_norm_` + `step` cost one collective. No host
+        synchronisation. `optimizer` may be a list of optimizers, or a container of them
+        (torchtitan's `OptimizersContainer`, Megatron's `ChainedOptimizer`).
 
         Raises:
-            RuntimeError: called twice for this optimizer, or after :meth:`step`, before
-                :meth:`update`; or no rank holds a gradient for it.
+            RuntimeError: called twice for this optimizer, or after [`step()`][step], before
+                [`update()`][update]; or no rank holds a gradient for it.
         """
         if not self._enabled:
             return
@@ -299,30 +301,30 @@ class ShardedGradScaler(torch.amp.GradScaler):
         self._stepper.unscale(self._book, optimizer, scale)
 
     def step(self, optimizer: OptimizerTarget, *args: Any, **kwargs: Any) -> Any:
-        """Unscale (unless done), then run ``optimizer.step()`` unless any rank overflowed.
+        """Unscale (unless done), then run `optimizer.step()` unless any rank overflowed.
 
-        Optimizers that take the scale themselves (``_step_supports_amp_scaling``: torch's
-        ``fused=True``) receive ``grad_scale`` and the agreed ``found_inf`` and skip on device,
+        Optimizers that take the scale themselves (`_step_supports_amp_scaling`: torch's
+        `fused=True`) receive `grad_scale` and the agreed `found_inf` and skip on device,
         with no host synchronisation; others cost one host synchronisation for the decision.
 
-        ``optimizer`` may also be a list of optimizers, or a container of them (torchtitan's
-        ``OptimizersContainer``: an ``Optimizer`` holding its parts in ``optimizers``;
-        Megatron's ``ChainedOptimizer``: ``chained_optimizers``): every optimizer underneath
+        `optimizer` may also be a list of optimizers, or a container of them (torchtitan's
+        `OptimizersContainer`: an `Optimizer` holding its parts in `optimizers`;
+        Megatron's `ChainedOptimizer`: `chained_optimizers`): every optimizer underneath
         is checked in ONE collective, fused ones get the scale and the flag, and the
-        container's own ``step()`` is called once. Stepping optimizers one call at a time
+        container's own `step()` is called once. Stepping optimizers one call at a time
         costs one collective each, as torch's rules have it.
 
         Returns:
-            What ``optimizer.step(*args, **kwargs)`` returns, or None when skipped; for a list,
+            What `optimizer.step(*args, **kwargs)` returns, or None when skipped; for a list,
             a list of those.
 
-        An optimizer with ``_step_supports_amp_scaling`` whose ``step()`` takes ``grad_scaler``
-        (torch's deprecated protocol) gets ``grad_scaler=self`` and torch's ``FutureWarning``,
-        as torch's scalers do; what it reads back (``_check_inf_per_device``,
-        ``_found_inf_per_device``, ``_get_scale_async``) is the agreed state.
+        An optimizer with `_step_supports_amp_scaling` whose `step()` takes `grad_scaler`
+        (torch's deprecated protocol) gets `grad_scaler=self` and torch's `FutureWarning`,
+        as torch's scalers do; what it reads back (`_check_inf_per_device`,
+        `_found_inf_per_device`, `_get_scale_async`) is the agreed state.
 
         Raises:
-            RuntimeError: a ``closure`` is passed, or step() already ran since :meth:`update`.
+            RuntimeError: a `closure` is passed, or step() already ran since [`update()`][update].
         """
         if not self._enabled:
             results = [item.target.step(*args, **kwargs) for item in steppables(optimizer)]
@@ -346,28 +348,28 @@ class ShardedGradScaler(torch.amp.GradScaler):
     ) -> torch.Tensor:
         """Unscale, then clip gradients to a global norm over all shards, in one collective.
 
-        Replaces ``scaler.unscale_(optimizer)`` + ``torch.nn.utils.clip_grad_norm_``: the
+        Replaces `scaler.unscale_(optimizer)` + `torch.nn.utils.clip_grad_norm_`: the
         norm's partial sums travel in the same all-reduce as the overflow flag, so scale →
-        backward → clip → :meth:`step` → :meth:`update` costs one collective per step. The
+        backward → clip → [`step()`][step] → [`update()`][update] costs one collective per step. The
         norm is global: every rank's shards and every pipeline stage's parameters count, and
         replicas count once. DTensor gradients (FSDP2, HSDP, TP, expert parallel) say their
         replicas themselves (their mesh and placements); plain tensors and FSDP1 flat
-        parameters are replicated over ``replica_group``. Two passes over the gradients (one
+        parameters are replicated over `replica_group`. Two passes over the gradients (one
         read, one read+write), no host synchronisation.
 
-        Call it on every rank, after backward and before :meth:`step` of the optimizers owning
-        ``parameters``; their step then reuses this check. After :meth:`unscale_` (torch's
+        Call it on every rank, after backward and before [`step()`][step] of the optimizers owning
+        `parameters`; their step then reuses this check. After [`unscale_()`][unscale_] (torch's
         order) it clips the unscaled gradients, and unscale_'s check rides in the same
         collective: still one per step.
 
         Args:
             parameters: the parameters (or one tensor) whose gradients to clip, as given to
-                ``torch.nn.utils.clip_grad_norm_``; every rank passes its own (its model or
-                pipeline stage's ``parameters()``).
+                `torch.nn.utils.clip_grad_norm_`; every rank passes its own (its model or
+                pipeline stage's `parameters()`).
             max_norm: the norm to clip to (> 0).
-            norm_type: the p of the p-norm (> 0), or ``math.inf``.
+            norm_type: the p of the p-norm (> 0), or `math.inf`.
             replica_group: the ranks holding the same plain (non-DTensor) gradients as this
-                rank: a ``ProcessGroup``, a 1-D ``DeviceMesh``, or their number. None (the
+                rank: a `ProcessGroup`, a 1-D `DeviceMesh`, or their number. None (the
                 default): every rank of the scaler's group, as under DDP. Under pipeline
                 parallelism a stage's plain parameters live on that stage's ranks only: pass
                 its data-parallel group (PP x DDP), or 1 (pure PP).
@@ -378,9 +380,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
             is then skipped everywhere).
 
         Raises:
-            RuntimeError: called twice before :meth:`update`, or after some but not all of an
+            RuntimeError: called twice before [`update()`][update], or after some but not all of an
                 optimizer's parameters were unscaled; or no rank holds a gradient.
-            ValueError, TypeError: ``max_norm``, ``norm_type`` or ``replica_group`` breaks its
+            ValueError, TypeError: `max_norm`, `norm_type` or `replica_group` breaks its
                 rule.
         """
         max_norm, norm_type = check_clip_args(max_norm, norm_type)
@@ -398,7 +400,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
         Args:
             new_scale: set the scale to this value instead: a float in
-                ``[min_scale, max_scale]``, or a one-element tensor without grad (taken as given:
+                `[min_scale, max_scale]`, or a one-element tensor without grad (taken as given:
                 checking its value would cost a host synchronisation).
 
         Raises:
@@ -416,7 +418,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         self._book = IterationBook(step=self._steps + 1)
 
     def _apply(self, found_infs: list[torch.Tensor], manual: torch.Tensor | None) -> None:
-        """Count the step and move the scale from the agreed flags (or set it to ``manual``)."""
+        """Count the step and move the scale from the agreed flags (or set it to `manual`)."""
         state = self._require_state("update")
         if found_infs:
             found_inf = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).amax()
@@ -455,7 +457,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     @property
     def last_step_skipped(self) -> bool:
-        """Whether the most recent :meth:`step` skipped the optimizer (on every rank).
+        """Whether the most recent [`step()`][step] skipped the optimizer (on every rank).
 
         Free after a non-fused step (its decision was already read); after a fused step,
         reading it costs one host synchronisation on an accelerator.
@@ -482,14 +484,14 @@ class ShardedGradScaler(torch.amp.GradScaler):
         return stats_from(self._device_state.packed().tolist())
 
     def register_stats_hook(self, hook: StatsHook) -> RemovableHandle:
-        """Call ``hook(stats)`` after every :meth:`update` that counted a step.
+        """Call `hook(stats)` after every [`update()`][update] that counted a step.
 
-        For TensorBoard / W&B: ``stats`` is a :class:`ScalerStats`. On the CPU the hook runs
+        For TensorBoard / W&B: `stats` is a [`ScalerStats`][]. On the CPU the hook runs
         inside that update(); on an accelerator it runs one update() later (or when
-        :attr:`stats` is read), so that reading the numbers never stalls the step.
+        [`stats`][] is read), so that reading the numbers never stalls the step.
 
         Returns:
-            A handle whose ``remove()`` unregisters the hook.
+            A handle whose `remove()` unregisters the hook.
         """
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {type(hook).__name__}")
@@ -497,10 +499,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     @property
     def last_overflow(self) -> list[NonFiniteGrad]:
-        """With ``locate_overflow=True``: where the last overflow step's inf/NaN gradients were.
+        """With `locate_overflow=True`: where the last overflow step's inf/NaN gradients were.
 
-        :class:`NonFiniteGrad` records (rank, name, num_inf, num_nan), identical on every
-        rank. Empty before the first overflow, or without ``locate_overflow``.
+        [`NonFiniteGrad`][] records (rank, name, num_inf, num_nan), identical on every
+        rank. Empty before the first overflow, or without `locate_overflow`.
         """
         return list(self._stepper.last_overflow)
 
@@ -524,7 +526,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
         Raises:
             ShardScaleDistributedError: the ranks differ; the message lists every rank's values
-                for each field that differs. Or a rank did not arrive within ``sync_timeout``.
+                for each field that differs. Or a rank did not arrive within `sync_timeout`.
         """
         if not self._enabled or self._agreement.world_size == 1:
             return
@@ -537,11 +539,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def state_dict(self) -> dict[str, Any]:
         """Return the state as Python numbers; empty when disabled, as torch's.
 
-        Torch's keys (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
-        ``_growth_tracker``) keep their meaning, so ``torch.amp.GradScaler`` loads it; ours add
-        the hysteresis settings, floor and ceiling, the counters and ``format_version``
-        (docs/checkpoints.md lists them). With ``state_dict`` and :meth:`load_state_dict` the
-        scaler is a ``torch.distributed.checkpoint`` Stateful.
+        Torch's keys (`scale`, `growth_factor`, `backoff_factor`, `growth_interval`,
+        `_growth_tracker`) keep their meaning, so `torch.amp.GradScaler` loads it; ours add the
+        hysteresis settings, floor and ceiling, the counters and `format_version`
+        (docs/checkpoints.md lists them). With `state_dict` and
+        [`load_state_dict()`][load_state_dict] the scaler is a `torch.distributed.checkpoint`
+        Stateful.
         """
         if not self._enabled:
             return {}
@@ -590,10 +593,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     @property
     def _scale(self) -> torch.Tensor | None:
-        """The scale tensor (None before the first ``scale()``), under torch's private name.
+        """The scale tensor (None before the first `scale()`), under torch's private name.
 
-        The live tensor: in-place writes (``fill_``) set the scale. Assigning another tensor is
-        refused: use ``update(new_scale=...)`` or ``load_state_dict``.
+        The live tensor: in-place writes (`fill_`) set the scale. Assigning another tensor is
+        refused: use `update(new_scale=...)` or `load_state_dict`.
         """
         return None if self._device_state is None else self._device_state.scale
 
@@ -603,7 +606,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     @property
     def _growth_tracker(self) -> torch.Tensor | None:
-        """The int32 growth tracker tensor (None before the first ``scale()``), as torch's."""
+        """The int32 growth tracker tensor (None before the first `scale()`), as torch's."""
         return None if self._device_state is None else self._device_state.growth_tracker
 
     @_growth_tracker.setter
@@ -632,7 +635,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
     @property
     def _init_scale(self) -> float:
         """The scale the state starts from when it is put on a device (torch's meaning: set by
-        the constructor and by ``load_state_dict``; later steps do not change it)."""
+        the constructor and by `load_state_dict`; later steps do not change it)."""
         return self._host.scale.scale
 
     @_init_scale.setter
@@ -643,7 +646,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     @property
     def _init_growth_tracker(self) -> int:
-        """The growth tracker the state starts from, as ``_init_scale`` (torch's meaning)."""
+        """The growth tracker the state starts from, as `_init_scale` (torch's meaning)."""
         return self._host.scale.growth_tracker
 
     @_init_growth_tracker.setter
@@ -656,7 +659,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     @property
     def _growth_factor(self) -> float:
-        """``get_growth_factor()``; writing it is ``set_growth_factor()`` (checked)."""
+        """`get_growth_factor()`; writing it is `set_growth_factor()` (checked)."""
         return self.get_growth_factor()
 
     @_growth_factor.setter
@@ -665,7 +668,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     @property
     def _backoff_factor(self) -> float:
-        """``get_backoff_factor()``; writing it is ``set_backoff_factor()`` (checked)."""
+        """`get_backoff_factor()`; writing it is `set_backoff_factor()` (checked)."""
         return self.get_backoff_factor()
 
     @_backoff_factor.setter
@@ -674,7 +677,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     @property
     def _growth_interval(self) -> int:
-        """``get_growth_interval()``; writing it is ``set_growth_interval()`` (checked)."""
+        """`get_growth_interval()`; writing it is `set_growth_interval()` (checked)."""
         return self.get_growth_interval()
 
     @_growth_interval.setter
@@ -683,12 +686,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     @property  # type: ignore[override]  # a read-only view in place of torch's dict
     def _per_optimizer_states(self) -> _compat.OptimizerStates:
-        """Per ``id(optimizer)``: ``{"stage": OptState, "found_inf_per_device": {device: flag}}``.
+        """Per `id(optimizer)`: `{"stage": OptState, "found_inf_per_device": {device: flag}}`.
 
         A read-only view of this iteration, built when read: the flag is the AGREED one, so
-        ``sum(v.item() for v in ...["found_inf_per_device"].values())`` says whether the step
-        was skipped, alike on every rank. Readable after ``step()`` and before ``update()``;
-        after ``update()`` it is empty, as torch's (see ``shardscale._compat.OptimizerStates``).
+        `sum(v.item() for v in ...["found_inf_per_device"].values())` says whether the step
+        was skipped, alike on every rank. Readable after `step()` and before `update()`;
+        after `update()` it is empty, as torch's (see `shardscale._compat.OptimizerStates`).
         """
         return _compat.OptimizerStates(self._compat_book(), self._settle)
 
@@ -701,11 +704,11 @@ class ShardedGradScaler(torch.amp.GradScaler):
         return self._book
 
     def _settle(self, book: IterationBook) -> None:
-        """Run the agreement ``unscale_()`` deferred, for a view that must show agreed flags."""
+        """Run the agreement `unscale_()` deferred, for a view that must show agreed flags."""
         self._stepper.resolve_pending(book, self._require_state("unscale_").scale, "unscale_")
 
     def _found_inf_per_device(self, optimizer: OptimizerTarget) -> dict[str, Any]:
-        """``optimizer``'s agreed flag as ``{device: flag}`` (empty if not checked yet).
+        """`optimizer`'s agreed flag as `{device: flag}` (empty if not checked yet).
 
         (Annotated as torch annotates it; the keys are devices.)
         """
@@ -720,13 +723,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
         return _compat.ReadOnlyDict({flag.device: flag})
 
     def _check_inf_per_device(self, optimizer: OptimizerTarget) -> dict[str, Any]:
-        """Check ``optimizer``'s gradients (not unscaling them) and agree: one collective.
+        """Check `optimizer`'s gradients (not unscaling them) and agree: one collective.
 
-        torch's optimizers of the ``grad_scaler=`` protocol call it from their ``step()``; the
-        flag it returns, and records for ``update()``, is the group's, alike on every rank.
+        torch's optimizers of the `grad_scaler=` protocol call it from their `step()`; the
+        flag it returns, and records for `update()`, is the group's, alike on every rank.
 
         Raises:
-            RuntimeError: no ``scale()`` yet on a rank alone (torch's words), or disabled.
+            RuntimeError: no `scale()` yet on a rank alone (torch's words), or disabled.
         """
         if not self._enabled:
             raise RuntimeError("_check_inf_per_device() was called on a disabled scaler")
@@ -743,16 +746,16 @@ class ShardedGradScaler(torch.amp.GradScaler):
         found_inf: torch.Tensor,
         allow_fp16: bool = True,
     ) -> dict[torch.device, torch.Tensor]:
-        """torch's local unscale-and-check of ``optimizer``'s gradients, on our gradient walk.
+        """torch's local unscale-and-check of `optimizer`'s gradients, on our gradient walk.
 
-        As torch's: multiplies by ``inv_scale``, raises ``found_inf`` (and copies of it on other
-        devices), involves no other rank and records nothing (``shardscale._compat.unscale_grads``).
-        ``allow_fp16`` defaults to True, as in torch's ShardedGradScaler.
+        As torch's: multiplies by `inv_scale`, raises `found_inf` (and copies of it on other
+        devices), involves no other rank and records nothing (`shardscale._compat.unscale_grads`).
+        `allow_fp16` defaults to True, as in torch's ShardedGradScaler.
         """
         return _compat.unscale_grads(optimizer, inv_scale, found_inf, allow_fp16)
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The scale and growth tracker tensors; torch's words if ``scale()`` never ran.
+        """The scale and growth tracker tensors; torch's words if `scale()` never ran.
 
         Raises:
             RuntimeError: no state on a device yet (torch raises AssertionError, same words).
@@ -761,7 +764,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         return state.scale, state.growth_tracker
 
     def _lazy_init_scale_growth_tracker(self, dev: str | torch.device) -> None:
-        """Put the state on ``dev`` now rather than at the first `scale()` (torch's private
+        """Put the state on `dev` now rather than at the first `scale()` (torch's private
         hook: accelerate calls it after loading a state dict for FSDP2). A no-op once there."""
         if self._enabled and self._device_state is None:
             device = torch.device(dev)
@@ -778,8 +781,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        """torch's helper: step ``optimizer`` unless ``optimizer_state``'s flags say inf/NaN
-        (with our ``_per_optimizer_states``, the agreed flag: every rank alike)."""
+        """torch's helper: step `optimizer` unless `optimizer_state`'s flags say inf/NaN
+        (with our `_per_optimizer_states`, the agreed flag: every rank alike)."""
         if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
             return optimizer.step(*args, **kwargs)
         return None
@@ -787,7 +790,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def _step_passing_itself(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        """torch's deprecated protocol: call ``optimizer.step(grad_scaler=self)``, warning.
+        """torch's deprecated protocol: call `optimizer.step(grad_scaler=self)`, warning.
 
         The optimizer unscales and skips itself; what it reads back is the agreed state.
         """
@@ -818,9 +821,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def _ensure_state(
         self, funcname: str, source: Iterable[torch.optim.Optimizer] | list[torch.Tensor]
     ) -> DeviceState:
-        """The state on its device; a rank that never called ``scale()`` gets it now.
+        """The state on its device; a rank that never called `scale()` gets it now.
 
-        In a pipeline only the last stage computes a loss; the others never call ``scale()``,
+        In a pipeline only the last stage computes a loss; the others never call `scale()`,
         yet hold the same scale (every rank does) and must check, step and update with the
         rest: their state goes where their gradients are. Alone in its group, a rank without a
         scale raises torch's error instead: nobody else can have scaled its loss.

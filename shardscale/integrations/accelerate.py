@@ -1,27 +1,27 @@
 """accelerate, and the transformers / TRL Trainer on it: shardscale as the accelerator's scaler.
 
-accelerate (1.15) builds its own scaler for ``mixed_precision="fp16"``: torch's
-``ShardedGradScaler`` for FSDP1, a plain ``torch.amp.GradScaler`` for FSDP2 and DDP. Setting
-``accelerator.scaler`` to shardscale's before ``prepare()`` swaps it; three of accelerate's paths
-then still need help, which :func:`use_shardscale` gives:
+accelerate (1.15) builds its own scaler for `mixed_precision="fp16"`: torch's
+[`ShardedGradScaler`][] for FSDP1, a plain `torch.amp.GradScaler` for FSDP2 and DDP. Setting
+`accelerator.scaler` to shardscale's before `prepare()` swaps it; three of accelerate's paths
+then still need help, which [`use_shardscale()`][use_shardscale] gives:
 
 1. **Skipped steps with fused optimizers** (accelerate issue 4242). accelerate takes a step as
-   skipped when the scaler did not call the optimizer's ``step()``; a fused optimizer is always
+   skipped when the scaler did not call the optimizer's `step()`; a fused optimizer is always
    called (it skips on the device), so its skips look like steps, and the LR schedulers of
    accelerate and of the Trainer (whose default optimizer is fused AdamW) advance. The prepared
    optimizers report the scaler's agreed decision instead, read from the device only when
-   ``step_was_skipped`` is asked (one host sync per step where it is: accelerate's prepared
+   `step_was_skipped` is asked (one host sync per step where it is: accelerate's prepared
    LR scheduler and the Trainer ask every step; none where nothing asks).
-2. **Resume under FSDP2** (accelerate issue 4289). ``load_state`` loads the scaler, then loading
+2. **Resume under FSDP2** (accelerate issue 4289). `load_state` loads the scaler, then loading
    the optimizer state steps the optimizer once on zero gradients (torch's
-   ``_init_optim_state``) through the prepared optimizer, that is through the scaler: its
+   `_init_optim_state`) through the prepared optimizer, that is through the scaler: its
    growth tracker and step counter move. The loaded scaler state is put back afterwards.
-3. **fp16 on a CPU.** accelerate leaves ``native_amp`` off there: no fp16 autocast, and
-   ``unscale_gradients`` does nothing, so ``clip_grad_norm_`` clips still-scaled gradients. It
+3. **fp16 on a CPU.** accelerate leaves `native_amp` off there: no fp16 autocast, and
+   `unscale_gradients` does nothing, so `clip_grad_norm_` clips still-scaled gradients. It
    is turned on.
 
-For a transformers ``Trainer`` (TRL's ``SFTTrainer``, ``GRPOTrainer``...), which creates its
-accelerator itself, mix in :class:`ShardScaleTrainerMixin`.
+For a transformers `Trainer` (TRL's `SFTTrainer`, `GRPOTrainer`...), which creates its
+accelerator itself, mix in [`ShardScaleTrainerMixin`][].
 """
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ _REFUSED = ("DEEPSPEED", "MEGATRON_LM")  # they scale losses with their own mach
 def use_shardscale(
     accelerator: Any, scaler: ShardedGradScaler | None = None, **scaler_kwargs: Any
 ) -> ShardedGradScaler:
-    """Make ``accelerator`` scale fp16 losses with shardscale's scaler. Call before ``prepare()``.
+    """Make `accelerator` scale fp16 losses with shardscale's scaler. Call before `prepare()`.
 
     Args:
-        accelerator: an ``accelerate.Accelerator`` with ``mixed_precision="fp16"``.
-        scaler: the scaler to use; None builds one from ``scaler_kwargs``.
-        **scaler_kwargs: :class:`~shardscale.ShardedGradScaler` options.
+        accelerator: an `accelerate.Accelerator` with `mixed_precision="fp16"`.
+        scaler: the scaler to use; None builds one from `scaler_kwargs`.
+        **scaler_kwargs: [`ShardedGradScaler`][] options.
 
     Returns:
         The accelerator's scaler now.
@@ -86,7 +86,7 @@ def use_shardscale(
 
 
 def _reporting_skips(prepare_optimizer: Any, scaler: ShardedGradScaler) -> Any:
-    """``prepare_optimizer``, whose optimizers report the scaler's decision as skipped or not."""
+    """`prepare_optimizer`, whose optimizers report the scaler's decision as skipped or not."""
 
     @functools.wraps(prepare_optimizer)
     def prepare(*args: Any, **kwargs: Any) -> Any:
@@ -112,12 +112,12 @@ def _reporting_skips(prepare_optimizer: Any, scaler: ShardedGradScaler) -> Any:
 
 @functools.cache
 def _reading_skips_lazily(optimizer_class: type) -> type:
-    """``optimizer_class`` (accelerate's ``AcceleratedOptimizer``) whose ``step_was_skipped``
+    """`optimizer_class` (accelerate's `AcceleratedOptimizer`) whose `step_was_skipped`
     reports the scaler's agreed decision, read from the device only when asked.
 
-    accelerate's own answer is "the scaler did not call ``step()``", wrong for fused
+    accelerate's own answer is "the scaler did not call `step()`", wrong for fused
     optimizers, which are always called and skip on the device. Reading the decision in every
-    ``step()`` would add a host synchronisation per step to every fused job; read here it costs
+    `step()` would add a host synchronisation per step to every fused job; read here it costs
     one per step only where something asks (accelerate's prepared LR scheduler and the
     Trainer do, every step), and none in a loop that never asks.
     """
@@ -143,7 +143,7 @@ def _reading_skips_lazily(optimizer_class: type) -> type:
 
 
 def _restoring_scaler(load_state: Any, scaler: ShardedGradScaler) -> Any:
-    """``load_state``, after which the scaler holds the state it loaded, whatever stepped it."""
+    """`load_state`, after which the scaler holds the state it loaded, whatever stepped it."""
 
     @functools.wraps(load_state)
     def load(*args: Any, **kwargs: Any) -> Any:
@@ -167,19 +167,20 @@ def _restoring_scaler(load_state: Any, scaler: ShardedGradScaler) -> Any:
 
 
 class ShardScaleTrainerMixin:
-    """Mix into a transformers ``Trainer`` (TRL's trainers too) to train fp16 with shardscale.
+    """Mix into a transformers `Trainer` (TRL's trainers too) to train fp16 with shardscale.
 
-    ::
+    ```python
+    class SFTTrainer(ShardScaleTrainerMixin, trl.SFTTrainer):
+        pass
 
-        class SFTTrainer(ShardScaleTrainerMixin, trl.SFTTrainer):
-            pass
+    trainer = SFTTrainer(model=model, args=SFTConfig(fp16=True, ...), ...)
+    ```
 
-        trainer = SFTTrainer(model=model, args=SFTConfig(fp16=True, ...), ...)
-
-    With ``fp16=True`` the Trainer's accelerator gets shardscale's scaler (through
-    :func:`use_shardscale`, so fused AdamW, the Trainer's default, reports skipped steps and the
-    LR schedule holds on them); its checkpoints save and restore the scaler (``scaler.pt``).
-    Override :meth:`make_shardscale_scaler` to set the scaler's options.
+    With `fp16=True` the Trainer's accelerator gets shardscale's scaler (through
+    [`use_shardscale()`][use_shardscale], so fused AdamW, the Trainer's default, reports skipped
+    steps and the LR schedule holds on them); its checkpoints save and restore the scaler
+    (`scaler.pt`). Override [`make_shardscale_scaler()`][make_shardscale_scaler] to set the scaler's
+    options.
     """
 
     accelerator: Any

@@ -1,23 +1,24 @@
 """verl: shardscale as the loss scaler of verl's FSDP engine, saved with its checkpoints.
 
-verl (0.9) builds torch's ``ShardedGradScaler(growth_interval=400)`` in
-``FSDPEngine._build_fsdp_module`` when the engine's ``mixed_precision.param_dtype`` is fp16, and
-uses it in ``forward_backward_batch`` (``scale(loss).backward()``) and ``optimizer_step``
-(``unscale_``, verl's own clipping, ``step``, ``update``). Under FSDP2 with a fused AdamW that
+verl (0.9) builds torch's `ShardedGradScaler(growth_interval=400)` in
+`FSDPEngine._build_fsdp_module` when the engine's `mixed_precision.param_dtype` is fp16, and
+uses it in `forward_backward_batch` (`scale(loss).backward()`) and `optimizer_step`
+(`unscale_`, verl's own clipping, `step`, `update`). Under FSDP2 with a fused AdamW that
 sequence crashes inside torch's scaler after the fused kernel has already written NaN into a
-parameter (its summed ``found_inf`` is 2.0; fused kernels skip only on 1.0); otherwise it costs
-two collectives. Its device defaults to ``"cuda"``, so on a CPU it disables itself and takes
+parameter (its summed `found_inf` is 2.0; fused kernels skip only on 1.0); otherwise it costs
+two collectives. Its device defaults to `"cuda"`, so on a CPU it disables itself and takes
 overflow steps. verl saves no scaler state in its checkpoints and offers no hook for one.
 
 Two ways in, both keeping verl's sequence and its clipping:
 
-* :func:`install`: from then on every ``FSDPEngine`` this process builds uses shardscale's scaler
+* [`install()`][install]: from then on every `FSDPEngine` this process builds uses shardscale's
+  scaler
   (with verl's growth interval) and saves its state with the engine's checkpoints. verl imports
-  the modules named in ``VERL_USE_EXTERNAL_MODULES`` in every process, Ray workers included, so
-  ``VERL_USE_EXTERNAL_MODULES=shardscale.integrations.verl_plugin`` installs it everywhere.
-* :func:`use_shardscale`: for one engine, after ``engine.initialize()``.
+  the modules named in `VERL_USE_EXTERNAL_MODULES` in every process, Ray workers included, so
+  `VERL_USE_EXTERNAL_MODULES=shardscale.integrations.verl_plugin` installs it everywhere.
+* [`use_shardscale()`][use_shardscale]: for one engine, after `engine.initialize()`.
 
-The scaler's state is identical on every rank: rank 0 writes it as ``shardscale_scaler.pt`` in
+The scaler's state is identical on every rank: rank 0 writes it as `shardscale_scaler.pt` in
 the checkpoint folder after verl's own files, and every rank reads it back.
 """
 
@@ -54,15 +55,15 @@ def use_shardscale(
     """Give an initialised verl FSDP engine shardscale's scaler, and checkpoint it.
 
     Args:
-        engine: a verl ``FSDPEngine`` (``FSDPEngineWithLMHead``...), after ``initialize()``,
-            configured for fp16 (``mixed_precision={"param_dtype": "fp16"}``).
-        scaler: the scaler to use; None builds one from ``scaler_kwargs`` (default
-            ``growth_interval``: verl's 400).
-        fold_clip: replace verl's ``optimizer_step`` by one that clips with
-            ``scaler.clip_grad_norm_`` (the same ``clip_grad``, a global norm over shards):
+        engine: a verl `FSDPEngine` (`FSDPEngineWithLMHead`...), after `initialize()`,
+            configured for fp16 (`mixed_precision={"param_dtype": "fp16"}`).
+        scaler: the scaler to use; None builds one from `scaler_kwargs` (default
+            `growth_interval`: verl's 400).
+        fold_clip: replace verl's `optimizer_step` by one that clips with
+            `scaler.clip_grad_norm_` (the same `clip_grad`, a global norm over shards):
             its norm travels in the scaler's one collective, where verl's own FSDP2 clipping
             costs two more. False (the default) keeps verl's clipping.
-        **scaler_kwargs: :class:`~shardscale.ShardedGradScaler` options.
+        **scaler_kwargs: [`ShardedGradScaler`][] options.
 
     Returns:
         The engine's scaler now.
@@ -98,7 +99,7 @@ def use_shardscale(
 
 
 def _optimizer_step_folding_clip(engine: Any) -> float:
-    """verl's ``optimizer_step`` (clip, skip on overflow, step, return the norm), with the clip
+    """verl's `optimizer_step` (clip, skip on overflow, step, return the norm), with the clip
     norm in the scaler's collective."""
     clip_grad = engine.optimizer_config.clip_grad
     if clip_grad is None:
@@ -114,11 +115,11 @@ def _optimizer_step_folding_clip(engine: Any) -> float:
 
 
 def install() -> None:
-    """Make every verl ``FSDPEngine`` built from now on in this process use shardscale.
+    """Make every verl `FSDPEngine` built from now on in this process use shardscale.
 
-    Patches ``FSDPEngine._build_fsdp_module`` (an fp16 engine gets
-    ``ShardedGradScaler(growth_interval=400)`` where verl would build torch's) and its
-    ``save_checkpoint``/``load_checkpoint`` (the scaler's state goes with the checkpoint).
+    Patches `FSDPEngine._build_fsdp_module` (an fp16 engine gets
+    `ShardedGradScaler(growth_interval=400)` where verl would build torch's) and its
+    `save_checkpoint`/`load_checkpoint` (the scaler's state goes with the checkpoint).
     Idempotent.
     """
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
@@ -155,7 +156,7 @@ def install() -> None:
 def _saving(
     save: Callable[..., None], scaler: Callable[[], ShardedGradScaler | None]
 ) -> Callable[..., None]:
-    """``save``, then the scaler's state beside verl's files (rank 0; identical everywhere)."""
+    """`save`, then the scaler's state beside verl's files (rank 0; identical everywhere)."""
 
     @functools.wraps(save)
     def save_checkpoint(local_path: str | None, *args: Any, **kwargs: Any) -> None:
@@ -176,7 +177,7 @@ def _saving(
 def _loading(
     load: Callable[..., None], scaler: Callable[[], ShardedGradScaler | None]
 ) -> Callable[..., None]:
-    """``load``, and the scaler's state from the same folder (read first: verl may delete
+    """`load`, and the scaler's state from the same folder (read first: verl may delete
     local copies of remote checkpoints after loading them)."""
 
     @functools.wraps(load)

@@ -1,12 +1,14 @@
-"""Importing this module runs :func:`shardscale.integrations.verl.install`: every verl FSDP engine
+"""Importing this module runs [`verl.install()`][install]: every verl FSDP engine
 built in this process then uses shardscale's scaler and checkpoints it.
 
-It exists to be named where verl imports modules for you, in every process (Ray workers too)::
+It exists to be named where verl imports modules for you, in every process (Ray workers too):
 
-    export VERL_USE_EXTERNAL_MODULES=shardscale.integrations.verl_plugin
-    python -m verl.trainer.main_ppo ...
+```bash
+export VERL_USE_EXTERNAL_MODULES=shardscale.integrations.verl_plugin
+python -m verl.trainer.main_ppo ...
+```
 
-That import side effect is its only purpose; elsewhere, call ``install()`` yourself.
+That import side effect is its only purpose; elsewhere, call `install()` yourself.
 """
 
 from __future__ import annotations
