@@ -205,15 +205,7 @@ class ScalePolicy:
             return
         if self.hysteresis == 1:
             # The common case in two kernels: torch's own update, then the floor and ceiling.
-            torch._amp_update_scale_(
-                scale,
-                growth_tracker,
-                found_inf,
-                self.growth_factor,
-                self.backoff_factor,
-                self.growth_interval,
-            )
-            scale.clamp_(min=self.min_scale, max=self.max_scale)
+            self._torch_update_(scale, growth_tracker, found_inf)
             return
         # Hysteresis on top of torch's kernel, in 13 kernels: the kernel backs off or grows;
         # an overflow still tolerated keeps the old scale (the kernel already zeroed the growth
@@ -221,6 +213,21 @@ class ScalePolicy:
         # replenishes the allowance.
         tolerated = (found_inf > 0) & (hysteresis_tracker > 1)
         kept = scale.clone()
+        self._torch_update_(scale, growth_tracker, found_inf)
+        torch.where(tolerated, kept, scale, out=scale)
+        grew = (growth_tracker == 0) & (found_inf == 0)
+        torch.where(
+            tolerated,
+            hysteresis_tracker - 1,
+            torch.where(grew, self.hysteresis, hysteresis_tracker),
+            out=hysteresis_tracker,
+        )
+
+    def _torch_update_(
+        self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor
+    ) -> None:
+        """torch's update kernel (back off, or grow after the interval), then the floor and
+        ceiling, which torch's kernel does not know."""
         torch._amp_update_scale_(
             scale,
             growth_tracker,
@@ -229,12 +236,4 @@ class ScalePolicy:
             self.backoff_factor,
             self.growth_interval,
         )
-        torch.where(tolerated, kept, scale, out=scale)
         scale.clamp_(min=self.min_scale, max=self.max_scale)
-        grew = (growth_tracker == 0) & (found_inf == 0)
-        torch.where(
-            tolerated,
-            hysteresis_tracker - 1,
-            torch.where(grew, self.hysteresis, hysteresis_tracker),
-            out=hysteresis_tracker,
-        )
