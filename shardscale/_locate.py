@@ -8,8 +8,10 @@ gradient elements it holds, per original parameter (an FSDP1 flat shard is cut b
 original parameters by the offsets FSDP records), and the agreement module gathers the records,
 so every rank gets the same list (within the scaler's `sync_timeout`).
 
-This costs host reads and a collective, so the scaler runs it only on steps every rank already
-agreed overflowed (`locate_overflow=True`): clean steps pay nothing.
+Locating costs host reads and a collective, so the scaler runs it only on steps every rank
+already agreed overflowed (`locate_overflow=True`). Knowing that a step overflowed is itself one
+host read of the agreed flag per step (free after a plain step, whose decision reads it anyway;
+one synchronisation per step after a fused step on an accelerator).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Invariant: every optimizer of an iteration steps or skips on every rank alike, after ONE
 collective per `step()`/`clip_grad_norm_()` call however many optimizers, devices and dtypes
-hold the gradients, and `unscale_()` adds none (its local check waits for that collective).
+hold the gradients; `unscale_()` adds none after the first step (its local check waits for that
+collective; on the first step, and on the async scaler, it agrees at once).
 
 The [`Stepper`][] does the work for a scaler and an [`IterationBook`][]
 (which optimizer is where in the iteration); the scaler owns the scale and the state. It also

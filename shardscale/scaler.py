@@ -106,8 +106,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         locate_overflow: on steps that overflow, find which parameters hold the inf/NaN gradients on
             which rank ([`find_nonfinite_grads()`][shardscale.find_nonfinite_grads]), keep the
             records in [`last_overflow`][] and log them (WARNING, logger `"shardscale"`). Clean
-            steps pay nothing; an overflow step pays host reads and one gather of the records. Name
-            the parameters by building the optimizer from `model.named_parameters()`.
+            steps pay one host read of the agreed flag (free after a plain step, which reads it
+            anyway); an overflow step pays host reads and one gather of the records. Name the
+            parameters by building the optimizer from `model.named_parameters()`.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -286,9 +287,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
         between backward and [`step()`][step]. The check is local; the ranks agree on it at the next
         point that needs their decision or a global norm ([`step()`][step],
         [`clip_grad_norm_()`][clip_grad_norm_], [`update()`][update]), in that point's one
-        collective, so `unscale_` + `clip_grad_norm_` + `step` cost one collective. No host
-        synchronisation. `optimizer` may be a list of optimizers, or a container of them
-        (torchtitan's `OptimizersContainer`, Megatron's `ChainedOptimizer`).
+        collective, so `unscale_` + `clip_grad_norm_` + `step` cost one collective. Except on
+        this scaler's first step: there it agrees at once (a pipeline stage that never scaled must
+        learn that some rank did before it modifies gradients, and every rank must issue the same
+        collectives), so that step costs one collective more. No host synchronisation.
+        `optimizer` may be a list of optimizers, or a container of them (torchtitan's
+        `OptimizersContainer`, Megatron's `ChainedOptimizer`).
 
         Raises:
             RuntimeError: called twice for this optimizer, or after [`step()`][step], before
