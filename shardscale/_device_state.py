@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from shardscale._checkpoint import Counters, ScalerState
+from shardscale._checkpoint import Counters, ScalerState, to_state_dict
 from shardscale._policy import ScalePolicy, ScaleState
 
-__all__ = ["DeviceState", "unpack"]
+__all__ = ["DeviceState", "state_fields", "unpack"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,3 +111,59 @@ def _count_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     base = torch.tensor([[1, 1, 0, 1], [1, 0, 0, 1]], dtype=torch.float64, device=device)
     slope = torch.tensor([[0, 0, 1, -1], [0, 1, 1, -1]], dtype=torch.float64, device=device)
     return base, slope
+
+
+_DEVICE_FIELDS = (
+    "scale",
+    "_growth_tracker",
+    "_hysteresis_tracker",
+    "steps",
+    "skipped_steps",
+    "consecutive_skips",
+    "last_overflow_step",
+)
+"""The state-dict fields a `DeviceState` holds, in the order `state_fields` builds them."""
+
+
+def state_fields(
+    state: ScalerState | DeviceState, policy: ScalePolicy
+) -> tuple[list[str], torch.Tensor]:
+    """The scaler state's fields for `verify_agreement` (`Exchange.compare`): names as in the
+    state dict, and their values as one float64 tensor where the state lives.
+
+    A `DeviceState` is never read on the host: its fields are computed on its device (the
+    policy's settings join as a constant made there once), so `verify_agreement` pays one host
+    transfer in all, the comparison's.
+    """
+    if isinstance(state, ScalerState):
+        host = to_state_dict(state)
+        return list(host), torch.tensor([float(v) for v in host.values()], dtype=torch.float64)
+    settings = to_state_dict(
+        ScalerState(
+            policy=policy,
+            scale=ScaleState(scale=1.0, growth_tracker=0, hysteresis_tracker=0),
+            counters=Counters(),
+        )
+    )
+    names = tuple(settings)
+    packed = state.packed()  # [scale, growth, hysteresis, steps, skipped, consecutive, since]
+    steps, skipped, since = packed[3], packed[4], packed[6]
+    last_overflow = torch.where(skipped > 0, steps - since, torch.zeros_like(steps))
+    constants, order = _settings_on(
+        packed.device, names, tuple(float(settings[n]) for n in names if n not in _DEVICE_FIELDS)
+    )
+    return list(names), torch.cat((packed[:6], last_overflow.reshape(1), constants))[order]
+
+
+@functools.cache
+def _settings_on(
+    device: torch.device, names: tuple[str, ...], settings: tuple[float, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy's settings as a tensor on `device`, and the index that puts the device
+    fields and the settings into `names`' order: made once per device and policy."""
+    built = [*_DEVICE_FIELDS, *(n for n in names if n not in _DEVICE_FIELDS)]
+    order = [built.index(n) for n in names]
+    return (
+        torch.tensor(settings, dtype=torch.float64, device=device),
+        torch.tensor(order, dtype=torch.int64, device=device),
+    )

@@ -26,11 +26,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
 from shardscale import _compat
-from shardscale._agree import Agreement, state_fields
+from shardscale._agree import Agreement
 from shardscale._checkpoint import Counters, ScalerState, parse_state_dict, to_state_dict
 from shardscale._clip import check_clip_args
 from shardscale._config import ScalerConfig
-from shardscale._device_state import DeviceState
+from shardscale._device_state import DeviceState, state_fields
 from shardscale._devices import move
 from shardscale._errors import ShardScaleWarning, no_scale_message
 from shardscale._grads import grads_device

@@ -540,9 +540,8 @@ def test_verify_agreement_of_a_device_state_costs_one_transfer(
 
 
 def test_state_fields_of_a_device_state_equal_the_state_dict() -> None:
-    from shardscale._agree import state_fields
     from shardscale._checkpoint import Counters, ScalerState, to_state_dict
-    from shardscale._device_state import DeviceState
+    from shardscale._device_state import DeviceState, state_fields
     from shardscale._policy import ScalePolicy, ScaleState
 
     policy = ScalePolicy(hysteresis=3, max_scale=2.0**20)
