@@ -140,6 +140,29 @@ class ScalePolicy:
                 f"got {scale} (pass a lower min_scale or a higher max_scale to allow it)"
             )
 
+    def new_scale_tensor(self, new_scale: float | torch.Tensor) -> torch.Tensor:
+        """`update(new_scale=...)`'s value as a float32 scalar tensor, checked where it is free.
+
+        A float must be a scale this policy can hold; a tensor is taken as given (checking its
+        value would cost a host synchronisation), but must be one element without grad.
+
+        Raises:
+            ValueError, TypeError: the value breaks that rule; the message gives it.
+        """
+        if isinstance(new_scale, torch.Tensor):
+            if new_scale.numel() != 1 or new_scale.requires_grad:
+                raise ValueError(
+                    "new_scale must be a float or a one-element tensor with requires_grad=False, "
+                    f"got shape {tuple(new_scale.shape)}, requires_grad={new_scale.requires_grad}"
+                )
+            return new_scale.detach().reshape(())
+        if isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)):
+            raise TypeError(
+                f"new_scale must be a float or a tensor, got {type(new_scale).__name__}"
+            )
+        self.check_scale("new_scale", float(new_scale))
+        return torch.tensor(float(new_scale), dtype=torch.float32)
+
     def check_state(self, state: ScaleState) -> None:
         """Raise ValueError unless `state` is reachable under this policy."""
         self.check_scale("scale", state.scale)

@@ -15,7 +15,7 @@ overflow was.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ __all__ = ["Stepper", "combined", "inverse", "plain_replicas"]
 _CPU = torch.device("cpu")
 
 
-def combined(found_infs: list[torch.Tensor | None]) -> torch.Tensor:
+def combined(found_infs: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """The largest of agreed flags: itself when they are one tensor (the usual case)."""
     distinct = list({id(f): f for f in found_infs if f is not None}.values())
     if len(distinct) == 1:

@@ -293,7 +293,7 @@ class AsyncShardedGradScaler(ShardedGradScaler):
                     "iteration to end"
                 )
             if new_scale is not None:
-                iteration.manual_scale = self._checked_new_scale(new_scale)
+                iteration.manual_scale = self.policy.new_scale_tensor(new_scale)
             iteration.closed = True
             self._open = None
             self._resolve()

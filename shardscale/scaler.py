@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, NoReturn, cast, overload
+from typing import Any, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -34,17 +34,19 @@ from shardscale._device_state import DeviceState, state_fields
 from shardscale._devices import move
 from shardscale._errors import ShardScaleWarning, no_scale_message
 from shardscale._grads import grads_device
-from shardscale._iteration import IterationBook, Stage
+from shardscale._iteration import IterationBook
 from shardscale._locate import NonFiniteGrad
 from shardscale._optimizers import OptimizerTarget, optimizer_params, steppables
 from shardscale._policy import ScalePolicy
 from shardscale._report import ScalerStats, StatsHook, StepReporter, stats_from, stats_of
 from shardscale._stepping import Stepper, combined, plain_replicas
+from shardscale._torch_members import TorchPrivateMembers
 
 __all__ = ["ShardedGradScaler"]
 
 
-class ShardedGradScaler(torch.amp.GradScaler):
+# torch's _per_optimizer_states is a dict; ours a read-only view of the agreed state.
+class ShardedGradScaler(TorchPrivateMembers, torch.amp.GradScaler):  # type: ignore[misc]
     """Loss scaler for sharded mixed-precision training whose ranks always agree.
 
     A drop-in for `torch.amp.GradScaler` and
@@ -417,7 +419,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         found_infs = self._book.found_infs()
         if new_scale is None and not found_infs:
             raise RuntimeError("No inf checks were recorded prior to update.")
-        manual = None if new_scale is None else self._checked_new_scale(new_scale)
+        manual = None if new_scale is None else self.policy.new_scale_tensor(new_scale)
         self._apply(found_infs, manual)
         self._book = IterationBook(step=self._steps + 1)
 
@@ -425,7 +427,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """Count the step and move the scale from the agreed flags (or set it to `manual`)."""
         state = self._require_state("update")
         if found_infs:
-            found_inf = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).amax()
+            found_inf = combined(found_infs)
             state.count_step_(found_inf)
             self._steps += 1
             if manual is None:
@@ -441,21 +443,6 @@ class ShardedGradScaler(torch.amp.GradScaler):
         verify_every = self._config.verify_every
         if verify_every and found_infs and self._steps % verify_every == 0:
             self.verify_agreement()
-
-    def _checked_new_scale(self, new_scale: float | torch.Tensor) -> torch.Tensor:
-        if isinstance(new_scale, torch.Tensor):
-            if new_scale.numel() != 1 or new_scale.requires_grad:
-                raise ValueError(
-                    "new_scale must be a float or a one-element tensor with requires_grad=False, "
-                    f"got shape {tuple(new_scale.shape)}, requires_grad={new_scale.requires_grad}"
-                )
-            return new_scale.detach().reshape(())
-        if isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)):
-            raise TypeError(
-                f"new_scale must be a float or a tensor, got {type(new_scale).__name__}"
-            )
-        self.policy.check_scale("new_scale", float(new_scale))
-        return torch.tensor(float(new_scale), dtype=torch.float32)
 
     # ------------------------------------------------------------------ what happened
 
@@ -590,230 +577,6 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
         self._setup(pickled["config"], pickled["enabled"], pickled["state"])
-
-    # ------------------------------------------------------------------ torch's private surface
-    # torch.amp.GradScaler's private members, as public code reads them, answered from our state
-    # (shardscale._compat). Nothing here runs on a step unless it is called or read.
-
-    @property
-    def _scale(self) -> torch.Tensor | None:
-        """The scale tensor (None before the first `scale()`), under torch's private name.
-
-        The live tensor: in-place writes (`fill_`) set the scale. Assigning another tensor is
-        refused: use `update(new_scale=...)` or `load_state_dict`.
-        """
-        return None if self._device_state is None else self._device_state.scale
-
-    @_scale.setter
-    def _scale(self, value: object) -> None:
-        self._refuse_write("_scale", "update(new_scale=...) or load_state_dict()")
-
-    @property
-    def _growth_tracker(self) -> torch.Tensor | None:
-        """The int32 growth tracker tensor (None before the first `scale()`), as torch's."""
-        return None if self._device_state is None else self._device_state.growth_tracker
-
-    @_growth_tracker.setter
-    def _growth_tracker(self, value: object) -> None:
-        self._refuse_write("_growth_tracker", "load_state_dict()")
-
-    def _get_scale_async(self) -> torch.Tensor | None:
-        """The scale tensor without a sync (torch's private accessor, used by frameworks)."""
-        return self._scale
-
-    def _get_growth_tracker(self) -> int:
-        """The growth tracker as an int (one host read once the state is on a device)."""
-        return self._read_state().scale.growth_tracker if self._enabled else 0
-
-    @property
-    def _device(self) -> str:
-        """The device type, under torch's private name (accelerate reads it on resume)."""
-        if self._device_state is not None:
-            return self._device_state.scale.device.type
-        return self._config.device or "cpu"
-
-    @_device.setter
-    def _device(self, value: object) -> None:
-        self._refuse_write("_device", "the device argument, or the first loss's device")
-
-    @property
-    def _init_scale(self) -> float:
-        """The scale the state starts from when it is put on a device (torch's meaning: set by
-        the constructor and by `load_state_dict`; later steps do not change it)."""
-        return self._host.scale.scale
-
-    @_init_scale.setter
-    def _init_scale(self, value: float) -> None:
-        scale = float(value)
-        self.policy.check_scale("_init_scale", scale)
-        self._host = replace(self._host, scale=replace(self._host.scale, scale=scale))
-
-    @property
-    def _init_growth_tracker(self) -> int:
-        """The growth tracker the state starts from, as `_init_scale` (torch's meaning)."""
-        return self._host.scale.growth_tracker
-
-    @_init_growth_tracker.setter
-    def _init_growth_tracker(self, value: int) -> None:
-        # Any int >= 0, as torch takes it (its own tests write 7 with growth_interval 1); a
-        # tracker at or past the interval grows the scale at the next clean step.
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"_init_growth_tracker must be an int >= 0, got {value!r}")
-        self._host = replace(self._host, scale=replace(self._host.scale, growth_tracker=value))
-
-    @property
-    def _growth_factor(self) -> float:
-        """`get_growth_factor()`; writing it is `set_growth_factor()` (checked)."""
-        return self.get_growth_factor()
-
-    @_growth_factor.setter
-    def _growth_factor(self, value: float) -> None:
-        self.set_growth_factor(value)
-
-    @property
-    def _backoff_factor(self) -> float:
-        """`get_backoff_factor()`; writing it is `set_backoff_factor()` (checked)."""
-        return self.get_backoff_factor()
-
-    @_backoff_factor.setter
-    def _backoff_factor(self, value: float) -> None:
-        self.set_backoff_factor(value)
-
-    @property
-    def _growth_interval(self) -> int:
-        """`get_growth_interval()`; writing it is `set_growth_interval()` (checked)."""
-        return self.get_growth_interval()
-
-    @_growth_interval.setter
-    def _growth_interval(self, value: int) -> None:
-        self.set_growth_interval(value)
-
-    @property  # type: ignore[override]  # a read-only view in place of torch's dict
-    def _per_optimizer_states(self) -> _compat.OptimizerStates:
-        """Per `id(optimizer)`: `{"stage": OptState, "found_inf_per_device": {device: flag}}`.
-
-        A read-only view of this iteration, built when read: the flag is the AGREED one, so
-        `sum(v.item() for v in ...["found_inf_per_device"].values())` says whether the step
-        was skipped, alike on every rank. Readable after `step()` and before `update()`;
-        after `update()` it is empty, as torch's (see `shardscale._compat.OptimizerStates`).
-        """
-        return _compat.OptimizerStates(self._compat_book(), self._settle)
-
-    @_per_optimizer_states.setter
-    def _per_optimizer_states(self, value: object) -> None:
-        self._refuse_write("_per_optimizer_states", "unscale_(), step() and update()")
-
-    def _compat_book(self) -> IterationBook:
-        """The iteration torch's private views read."""
-        return self._book
-
-    def _settle(self, book: IterationBook) -> None:
-        """Run the agreement `unscale_()` deferred, for a view that must show agreed flags."""
-        self._stepper.resolve_pending(book, self._require_state("unscale_").scale, "unscale_")
-
-    def _found_inf_per_device(self, optimizer: OptimizerTarget) -> dict[str, Any]:
-        """`optimizer`'s agreed flag as `{device: flag}` (empty if not checked yet).
-
-        (Annotated as torch annotates it; the keys are devices.)
-        """
-        states = self._per_optimizer_states
-        leaves = [leaf for item in steppables(optimizer) for leaf in item.leaves]
-        if len(leaves) == 1:
-            return states[id(leaves[0])]["found_inf_per_device"]  # type: ignore[no-any-return]
-        flags = [f for leaf in leaves for f in states[id(leaf)]["found_inf_per_device"].values()]
-        if not flags:
-            return _compat.ReadOnlyDict()
-        flag = combined(flags)
-        return _compat.ReadOnlyDict({flag.device: flag})
-
-    def _check_inf_per_device(self, optimizer: OptimizerTarget) -> dict[str, Any]:
-        """Check `optimizer`'s gradients (not unscaling them) and agree: one collective.
-
-        torch's optimizers of the `grad_scaler=` protocol call it from their `step()`; the
-        flag it returns, and records for `update()`, is the group's, alike on every rank.
-
-        Raises:
-            RuntimeError: no `scale()` yet on a rank alone (torch's words), or disabled.
-        """
-        if not self._enabled:
-            raise RuntimeError("_check_inf_per_device() was called on a disabled scaler")
-        leaves = [leaf for item in steppables(optimizer) for leaf in item.leaves]
-        scale = self._ensure_state("_check_inf_per_device", leaves).scale
-        records = [self._book.record(leaf) for leaf in leaves]
-        self._stepper._check_and_agree(self._book, [], records, scale, "_check_inf_per_device")
-        return self._found_inf_per_device(optimizer)
-
-    def _unscale_grads_(
-        self,
-        optimizer: torch.optim.Optimizer,
-        inv_scale: torch.Tensor,
-        found_inf: torch.Tensor,
-        allow_fp16: bool = True,
-    ) -> dict[torch.device, torch.Tensor]:
-        """torch's local unscale-and-check of `optimizer`'s gradients, on our gradient walk.
-
-        As torch's: multiplies by `inv_scale`, raises `found_inf` (and copies of it on other
-        devices), involves no other rank and records nothing (`shardscale._compat.unscale_grads`).
-        `allow_fp16` defaults to True, as in torch's ShardedGradScaler.
-        """
-        return _compat.unscale_grads(optimizer, inv_scale, found_inf, allow_fp16)
-
-    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The scale and growth tracker tensors; torch's words if `scale()` never ran.
-
-        Raises:
-            RuntimeError: no state on a device yet (torch raises AssertionError, same words).
-        """
-        state = self._require_state(funcname)
-        return state.scale, state.growth_tracker
-
-    def _lazy_init_scale_growth_tracker(self, dev: str | torch.device) -> None:
-        """Put the state on `dev` now rather than at the first `scale()` (torch's private
-        hook: accelerate calls it after loading a state dict for FSDP2). A no-op once there."""
-        if self._enabled and self._device_state is None:
-            device = torch.device(dev)
-            if device.type != "cpu" and device.index is None:
-                device = torch.device(
-                    device.type, torch.get_device_module(device.type).current_device()
-                )
-            self._device_state = DeviceState.create(self._host, device)
-
-    def _maybe_opt_step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        optimizer_state: Mapping[str, Any],
-        *args: Any,
-        **kwargs: Any,
-    ) -> Any:
-        """torch's helper: step `optimizer` unless `optimizer_state`'s flags say inf/NaN
-        (with our `_per_optimizer_states`, the agreed flag: every rank alike)."""
-        if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
-            return optimizer.step(*args, **kwargs)
-        return None
-
-    def _step_passing_itself(
-        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """torch's deprecated protocol: call `optimizer.step(grad_scaler=self)`, warning.
-
-        The optimizer unscales and skips itself; what it reads back is the agreed state.
-        """
-        leaves = [leaf for item in steppables(optimizer) for leaf in item.leaves]
-        self._ensure_state("step", leaves)
-        records, _adopted = self._book.begin_step(leaves)
-        warnings.warn(_compat.GRAD_SCALER_WARNING, FutureWarning, stacklevel=3)
-        result = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
-        flags = [record.found_inf for record in records]
-        self._last_skip = combined(flags) if any(f is not None for f in flags) else False
-        for record in records:
-            record.stage = Stage.STEPPED
-        return result
-
-    def _refuse_write(self, name: str, instead: str) -> NoReturn:
-        raise AttributeError(
-            f"{type(self).__name__}.{name} mirrors shardscale's agreed state and cannot be "
-            f"assigned; use {instead}"
-        )
 
     # ------------------------------------------------------------------ internals
 
