@@ -10,13 +10,14 @@ alternative we tried (`isfinite().all()` and `_foreach_norm(inf)` ~12x slower, `
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
 from shardscale._devices import move
 from shardscale._walk import GradGroups
 
-__all__ = ["Flags", "check_and_unscale_", "inverse", "multiply_", "ones"]
+__all__ = ["Flags", "check_and_unscale_", "combined", "inverse", "multiply_", "ones"]
 
 Flags = dict[torch.device, torch.Tensor]
 """One float32 scalar per device holding gradients: 1.0 where any element was non-finite."""
@@ -94,3 +95,14 @@ def _one64(device: torch.device) -> torch.Tensor:
 def _scratch(device: torch.device) -> torch.Tensor:
     """A float32 flag on `device` that `multiply_`'s kernel may raise and nobody reads."""
     return torch.zeros((), dtype=torch.float32, device=device)
+
+
+def combined(found_infs: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """The largest of agreed flags: itself when they are one tensor (the usual case).
+
+    The one place flags are combined (several optimizers, iterations, leaves of a container).
+    """
+    distinct = list({id(f): f for f in found_infs if f is not None}.values())
+    if len(distinct) == 1:
+        return distinct[0]
+    return torch.stack([move(f, distinct[0].device) for f in distinct]).amax()

@@ -27,10 +27,18 @@ import functools
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-__all__ = ["grads_device", "local_grad", "local_grads", "original_slices", "replica_count"]
+__all__ = [
+    "grads_device",
+    "local_grad",
+    "local_grads",
+    "original_slices",
+    "plain_replicas",
+    "replica_count",
+]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FLAT_PARAM = "_flat_param"
@@ -163,3 +171,29 @@ def original_slices(name: str, param: torch.Tensor) -> Iterator[tuple[str, torch
         if info.in_shard:
             start = info.offset_in_shard
             yield prefix + fqn, flat[start : start + info.numel_in_shard]
+
+
+def plain_replicas(replica_group: object, world_size: int) -> int:
+    """The number of ranks `clip_grad_norm_`'s `replica_group` names (see its docs)."""
+    if replica_group is None:
+        return world_size
+    if isinstance(replica_group, DeviceMesh):
+        if replica_group.ndim != 1:
+            raise ValueError(
+                f"replica_group must be a 1-D DeviceMesh, got one of shape "
+                f"{tuple(replica_group.shape)}: slice it by the data-parallel dimension"
+            )
+        return replica_group.size()
+    if isinstance(replica_group, dist.ProcessGroup):
+        return dist.get_world_size(replica_group)
+    if isinstance(replica_group, bool) or not isinstance(replica_group, int):
+        raise TypeError(
+            "replica_group must be a ProcessGroup, a 1-D DeviceMesh, an int or None, got "
+            f"{type(replica_group).__name__}"
+        )
+    if not 1 <= replica_group <= world_size:
+        raise ValueError(
+            f"replica_group must be in [1, {world_size}] (the scaler's group size), got "
+            f"{replica_group}"
+        )
+    return replica_group

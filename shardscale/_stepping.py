@@ -15,35 +15,24 @@ overflow was.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from shardscale._agree import Agreement, Verdict
-from shardscale._check import check_and_unscale_, inverse, multiply_, ones
+from shardscale._check import check_and_unscale_, combined, inverse, multiply_, ones
 from shardscale._clip import apply_, by_device_dtype, local_norms, norm_flags_exact
-from shardscale._devices import move
 from shardscale._errors import ShardScaleWarning
+from shardscale._fused import step_on_device
 from shardscale._iteration import Clipped, IterationBook, OptimizerRecord, Stage
 from shardscale._locate import NonFiniteGrad, locate, optimizer_named_params
-from shardscale._optimizers import Steppable, optimizer_params, steppables, takes_scale
+from shardscale._optimizers import optimizer_params, steppables, takes_scale
 from shardscale._report import log_located
 from shardscale._walk import GradCache, GradWalk
 
-__all__ = ["Stepper", "combined", "inverse", "plain_replicas"]
+__all__ = ["Stepper"]
 
 _CPU = torch.device("cpu")
-
-
-def combined(found_infs: Sequence[torch.Tensor | None]) -> torch.Tensor:
-    """The largest of agreed flags: itself when they are one tensor (the usual case)."""
-    distinct = list({id(f): f for f in found_infs if f is not None}.values())
-    if len(distinct) == 1:
-        return distinct[0]
-    return torch.stack([move(f, distinct[0].device) for f in distinct]).amax()
 
 
 class Stepper:
@@ -127,7 +116,7 @@ class Stepper:
             found_inf = combined([r.found_inf for r in item_records])
             if all(takes_scale(leaf) for leaf in item.leaves):
                 results.append(
-                    _step_on_device(
+                    step_on_device(
                         item, item_records, found_inf, scale, args, kwargs, self.agreement.settle
                     )
                 )
@@ -143,7 +132,7 @@ class Stepper:
                 results.append(
                     None
                     if skipped
-                    else _step_on_device(
+                    else step_on_device(
                         item, item_records, found_inf, scale, args, kwargs, self.agreement.settle
                     )
                 )
@@ -373,112 +362,3 @@ class Stepper:
             step,
         )
         log_located(step, self.last_overflow)
-
-
-def _step_on_device(
-    item: Steppable,
-    records: list[OptimizerRecord],
-    found_inf: torch.Tensor,
-    scale: torch.Tensor,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    settle: Callable[[], None],
-) -> Any:
-    """Step `item`, handing every fused optimizer in it the scale and the agreed flag.
-
-    A fused optimizer whose gradients are still scaled gets `grad_scale` (times its own, if the
-    user set one); one already unscaled (`unscale_`, `clip_grad_norm_`) gets only its own. It
-    then skips on the device if `found_inf` is 1.0.
-
-    Each gets both tensors on its own parameters' device (see `_params_device`). torch's fused
-    Adam/AdamW/Adagrad move them there with `non_blocking=True`, which from a GPU to the CPU
-    returns before the copy lands, and their CPU kernel reads the values at once (a stale scale,
-    a missed skip: inf in CPU-offloaded master weights). So the copy to the CPU is made here,
-    blocking: one device-to-host copy per step and CPU device, the price of a CPU kernel that
-    needs a device value. Where the tensors are already on the parameters' device: no copy.
-    `settle` (the agreement's) runs before a copy to the CPU, which reads the agreed flag and
-    must not wait unbounded for a collective still in flight.
-    """
-    handed = []
-    moved: dict[tuple[torch.device, int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-    for leaf, record in zip(item.leaves, records, strict=True):
-        if not takes_scale(leaf):
-            continue
-        user_grad_scale = getattr(leaf, "grad_scale", None)
-        if record.stage is Stage.READY:  # still scaled
-            grad_scale = scale if user_grad_scale is None else scale * user_grad_scale
-        else:
-            grad_scale = user_grad_scale
-        device = _params_device(leaf)
-        if device is not None:
-            key = (device, id(grad_scale), id(found_inf))
-            if key not in moved:
-                if device.type == "cpu" and found_inf.device.type != "cpu":
-                    settle()
-                moved[key] = _to_device(grad_scale, found_inf, device)
-            grad_scale, leaf_found_inf = moved[key]
-        else:
-            leaf_found_inf = found_inf
-        leaf.grad_scale = grad_scale  # type: ignore[attr-defined]
-        leaf.found_inf = leaf_found_inf  # type: ignore[attr-defined]
-        handed.append(leaf)
-    try:
-        return item.target.step(*args, **kwargs)
-    finally:
-        for leaf in handed:
-            del leaf.grad_scale  # type: ignore[attr-defined]
-            del leaf.found_inf  # type: ignore[attr-defined]
-
-
-def _params_device(optimizer: torch.optim.Optimizer) -> torch.device | None:
-    """The one device `optimizer`'s parameters live on; None if they span several (or none).
-
-    Over several devices torch's fused optimizers group the parameters per device and move
-    `grad_scale`/`found_inf` to each themselves: the tensors are then handed where the scale
-    is, and a CPU group among them keeps torch's own (racy) non-blocking copy. Keep the
-    parameters of a fused optimizer on one device.
-    """
-    devices = {p.device for p in optimizer_params(optimizer)}
-    return devices.pop() if len(devices) == 1 else None
-
-
-def _to_device(
-    grad_scale: torch.Tensor | None, found_inf: torch.Tensor, device: torch.device
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """`grad_scale` and `found_inf` on `device`: themselves when there, else ONE copy.
-
-    Both travel as one stacked tensor (one blocking copy to the CPU, not two), unstacked as views.
-    """
-    tensors = [t for t in (grad_scale, found_inf) if t is not None]
-    if all(t.device == device for t in tensors):
-        return grad_scale, found_inf
-    if grad_scale is None or grad_scale.dtype != found_inf.dtype or grad_scale.shape != ():
-        return (None if grad_scale is None else move(grad_scale, device)), move(found_inf, device)
-    both = move(torch.stack((grad_scale, found_inf.reshape(()))), device)
-    return both[0], both[1].reshape(found_inf.shape)
-
-
-def plain_replicas(replica_group: object, world_size: int) -> int:
-    """The number of ranks `clip_grad_norm_`'s `replica_group` names (see its docs)."""
-    if replica_group is None:
-        return world_size
-    if isinstance(replica_group, DeviceMesh):
-        if replica_group.ndim != 1:
-            raise ValueError(
-                f"replica_group must be a 1-D DeviceMesh, got one of shape "
-                f"{tuple(replica_group.shape)}: slice it by the data-parallel dimension"
-            )
-        return replica_group.size()
-    if isinstance(replica_group, dist.ProcessGroup):
-        return dist.get_world_size(replica_group)
-    if isinstance(replica_group, bool) or not isinstance(replica_group, int):
-        raise TypeError(
-            "replica_group must be a ProcessGroup, a 1-D DeviceMesh, an int or None, got "
-            f"{type(replica_group).__name__}"
-        )
-    if not 1 <= replica_group <= world_size:
-        raise ValueError(
-            f"replica_group must be in [1, {world_size}] (the scaler's group size), got "
-            f"{replica_group}"
-        )
-    return replica_group

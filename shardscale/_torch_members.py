@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 from shardscale import _compat
+from shardscale._check import combined
 from shardscale._device_state import DeviceState
 from shardscale._iteration import IterationBook, Stage
 from shardscale._optimizers import OptimizerTarget, steppables
-from shardscale._stepping import combined
 
 if TYPE_CHECKING:
     from shardscale._agree import Agreement

@@ -27,19 +27,20 @@ from torch.utils.hooks import RemovableHandle
 
 from shardscale import _compat
 from shardscale._agree import Agreement
+from shardscale._check import combined
 from shardscale._checkpoint import Counters, ScalerState, parse_state_dict, to_state_dict
 from shardscale._clip import check_clip_args
 from shardscale._config import ScalerConfig
 from shardscale._device_state import DeviceState, state_fields
 from shardscale._devices import move
 from shardscale._errors import ShardScaleWarning, no_scale_message
-from shardscale._grads import grads_device
+from shardscale._grads import grads_device, plain_replicas
 from shardscale._iteration import IterationBook
 from shardscale._locate import NonFiniteGrad
 from shardscale._optimizers import OptimizerTarget, optimizer_params, steppables
 from shardscale._policy import ScalePolicy
 from shardscale._report import ScalerStats, StatsHook, StepReporter, stats_from, stats_of
-from shardscale._stepping import Stepper, combined, plain_replicas
+from shardscale._stepping import Stepper
 from shardscale._torch_members import TorchPrivateMembers
 
 __all__ = ["ShardedGradScaler"]
