@@ -22,6 +22,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -32,7 +33,19 @@ from shardscale._errors import ShardScaleSkipError, ShardScaleWarning
 from shardscale._locate import NonFiniteGrad
 from shardscale._policy import ScalePolicy
 
-__all__ = ["LOG_INTERVAL_S", "ScalerStats", "StepReporter", "log_located", "logger"]
+if TYPE_CHECKING:
+    from shardscale._agree import Agreement
+    from shardscale._checkpoint import ScalerState
+    from shardscale._stepping import Stepper
+
+__all__ = [
+    "LOG_INTERVAL_S",
+    "ReportingMembers",
+    "ScalerStats",
+    "StepReporter",
+    "log_located",
+    "logger",
+]
 
 logger = logging.getLogger("shardscale")
 """The library's logger: INFO per skipped step (rate-limited), WARNING for located overflows."""
@@ -244,3 +257,89 @@ def log_located(step: int, located: list[NonFiniteGrad]) -> None:
         step,
         "; ".join(map(str, located)) or "(none: already cleared)",
     )
+
+
+class ReportingMembers:
+    """What happened, as the scaler tells it: `last_step_skipped`, `stats`, stats hooks,
+    `last_overflow` and `get_scale`.
+
+    A mixin of [`ShardedGradScaler`][shardscale.ShardedGradScaler]: the scaler provides the
+    state below (its `_setup` sets it). Every read of an agreed value here settles the
+    collective in flight first, so it is bounded by `sync_timeout`.
+    """
+
+    _enabled: bool
+    _host: ScalerState
+    _device_state: DeviceState | None
+    _agreement: Agreement
+    _stepper: Stepper
+    _reporter: StepReporter
+    _last_skip: bool | torch.Tensor
+    _steps: int
+
+    if TYPE_CHECKING:
+
+        @property
+        def policy(self) -> ScalePolicy: ...
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the most recent `step()` skipped the optimizer (on every rank).
+
+        Free after a non-fused step (its decision was already read); after a fused step,
+        reading it costs one host synchronisation on an accelerator.
+        """
+        if isinstance(self._last_skip, torch.Tensor):
+            # Read each time, never cached: a CUDA-graph replay updates this very tensor.
+            self._agreement.settle()  # bounded by sync_timeout, not by NCCL's own
+            return bool(self._last_skip.item())
+        return self._last_skip
+
+    @property
+    def stats(self) -> ScalerStats:
+        """Steps, skipped steps, consecutive skips, the scale and the last overflow's step.
+
+        Identical on every rank; right for fused optimizers too (counted on the device). One
+        host read of one small tensor (a synchronisation on an accelerator); no collective.
+        """
+        # Settled first: the flush waits for a copy that follows the collective in flight.
+        self._agreement.settle()
+        self._reporter.flush()
+        if self._device_state is None:
+            scale = self._host.scale.scale if self._enabled else 1.0
+            return stats_of(scale, self._host.counters)
+        return stats_from(self._device_state.packed().tolist())
+
+    def register_stats_hook(self, hook: StatsHook) -> RemovableHandle:
+        """Call `hook(stats)` after every `update()` that counted a step.
+
+        For TensorBoard / W&B: `stats` is a [`ScalerStats`][]. On the CPU the hook runs
+        inside that update(); on an accelerator it runs one update() later (or when
+        [`stats`][shardscale.ShardedGradScaler.stats] is read), so that reading the numbers
+        never stalls the step.
+
+        Returns:
+            A handle whose `remove()` unregisters the hook.
+        """
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        return self._reporter.register(hook)
+
+    @property
+    def last_overflow(self) -> list[NonFiniteGrad]:
+        """With `locate_overflow=True`: where the last overflow step's inf/NaN gradients were.
+
+        [`NonFiniteGrad`][] records (rank, name, num_inf, num_nan), identical on every
+        rank. Empty before the first overflow, or without `locate_overflow`.
+        """
+        return list(self._stepper.last_overflow)
+
+    def get_scale(self) -> float:
+        """Return the current scale (1.0 when disabled). Costs ONE host sync on an accelerator
+        (the scale and the floor warning's skipped-step count come in one read)."""
+        if not self._enabled:
+            return 1.0
+        if self._device_state is None:
+            return self._host.scale.scale
+        self._agreement.settle()
+        return self._reporter.warn_if_at_floor(self._device_state, self.policy, self._steps)

@@ -8,8 +8,10 @@ policy maths) is a deterministic function of the agreed flag.
 
 The class orchestrates and stays thin: `_config` validates the options, `_iteration` keeps
 the iteration's call-order state, `_stepping` checks, agrees, clips and steps, `_device_state`
-holds the scale on the device, `_checkpoint` reads and writes state dicts, `_report` tells
-what happened.
+holds the scale on the device, `_checkpoint` reads and writes state dicts. Two mixins carry
+the members that are not the iteration: `_report.ReportingMembers` (what happened: stats,
+hooks, `last_step_skipped`, `get_scale`) and `_torch_members.TorchPrivateMembers` (torch's
+private members, as public code reads them).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from typing import Any, cast, overload
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.hooks import RemovableHandle
 
 from shardscale import _compat
 from shardscale._agree import Agreement
@@ -36,10 +37,9 @@ from shardscale._devices import move
 from shardscale._errors import ShardScaleWarning, no_scale_message
 from shardscale._grads import grads_device, plain_replicas
 from shardscale._iteration import IterationBook
-from shardscale._locate import NonFiniteGrad
 from shardscale._optimizers import OptimizerTarget, optimizer_params, steppables
 from shardscale._policy import ScalePolicy
-from shardscale._report import ScalerStats, StatsHook, StepReporter, stats_from, stats_of
+from shardscale._report import ReportingMembers, StepReporter
 from shardscale._stepping import Stepper
 from shardscale._torch_members import TorchPrivateMembers
 
@@ -47,7 +47,9 @@ __all__ = ["ShardedGradScaler"]
 
 
 # torch's _per_optimizer_states is a dict; ours a read-only view of the agreed state.
-class ShardedGradScaler(TorchPrivateMembers, torch.amp.GradScaler):  # type: ignore[misc]
+class ShardedGradScaler(  # type: ignore[misc]
+    ReportingMembers, TorchPrivateMembers, torch.amp.GradScaler
+):
     """Loss scaler for sharded mixed-precision training whose ranks always agree.
 
     A drop-in for `torch.amp.GradScaler` and
@@ -108,10 +110,11 @@ class ShardedGradScaler(TorchPrivateMembers, torch.amp.GradScaler):  # type: ign
             skipping forever. None, the default: no limit.
         locate_overflow: on steps that overflow, find which parameters hold the inf/NaN gradients on
             which rank ([`find_nonfinite_grads()`][shardscale.find_nonfinite_grads]), keep the
-            records in [`last_overflow`][] and log them (WARNING, logger `"shardscale"`). Clean
-            steps pay one host read of the agreed flag (free after a plain step, which reads it
-            anyway); an overflow step pays host reads and one gather of the records. Name the
-            parameters by building the optimizer from `model.named_parameters()`.
+            records in [`last_overflow`][shardscale.ShardedGradScaler.last_overflow] and log
+            them (WARNING, logger `"shardscale"`). Clean steps pay one host read of the agreed
+            flag (free after a plain step, which reads it anyway); an overflow step pays host
+            reads and one gather of the records. Name the parameters by building the optimizer
+            from `model.named_parameters()`.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -185,8 +188,6 @@ class ShardedGradScaler(TorchPrivateMembers, torch.amp.GradScaler):  # type: ign
         # The last step()'s decision: a bool where the host already read it, else the device flag.
         self._last_skip: bool | torch.Tensor = False
 
-    # ------------------------------------------------------------------ settings
-
     @property
     def policy(self) -> ScalePolicy:
         """The current scale policy (growth, backoff, hysteresis, floor, ceiling)."""
@@ -227,8 +228,6 @@ class ShardedGradScaler(TorchPrivateMembers, torch.amp.GradScaler):  # type: ign
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the number of clean steps before the scale grows (>= 1)."""
         self._set_policy(growth_interval=new_interval)
-
-    # ------------------------------------------------------------------ the iteration
 
     @overload
     def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
@@ -445,69 +444,6 @@ class ShardedGradScaler(TorchPrivateMembers, torch.amp.GradScaler):  # type: ign
         if verify_every and found_infs and self._steps % verify_every == 0:
             self.verify_agreement()
 
-    # ------------------------------------------------------------------ what happened
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether the most recent [`step()`][step] skipped the optimizer (on every rank).
-
-        Free after a non-fused step (its decision was already read); after a fused step,
-        reading it costs one host synchronisation on an accelerator.
-        """
-        if isinstance(self._last_skip, torch.Tensor):
-            # Read each time, never cached: a CUDA-graph replay updates this very tensor.
-            self._agreement.settle()  # bounded by sync_timeout, not by NCCL's own
-            return bool(self._last_skip.item())
-        return self._last_skip
-
-    @property
-    def stats(self) -> ScalerStats:
-        """Steps, skipped steps, consecutive skips, the scale and the last overflow's step.
-
-        Identical on every rank; right for fused optimizers too (counted on the device). One
-        host read of one small tensor (a synchronisation on an accelerator); no collective.
-        """
-        # Settled first: the flush waits for a copy that follows the collective in flight.
-        self._agreement.settle()
-        self._reporter.flush()
-        if self._device_state is None:
-            scale = self._host.scale.scale if self._enabled else 1.0
-            return stats_of(scale, self._host.counters)
-        return stats_from(self._device_state.packed().tolist())
-
-    def register_stats_hook(self, hook: StatsHook) -> RemovableHandle:
-        """Call `hook(stats)` after every [`update()`][update] that counted a step.
-
-        For TensorBoard / W&B: `stats` is a [`ScalerStats`][]. On the CPU the hook runs
-        inside that update(); on an accelerator it runs one update() later (or when
-        [`stats`][] is read), so that reading the numbers never stalls the step.
-
-        Returns:
-            A handle whose `remove()` unregisters the hook.
-        """
-        if not callable(hook):
-            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
-        return self._reporter.register(hook)
-
-    @property
-    def last_overflow(self) -> list[NonFiniteGrad]:
-        """With `locate_overflow=True`: where the last overflow step's inf/NaN gradients were.
-
-        [`NonFiniteGrad`][] records (rank, name, num_inf, num_nan), identical on every
-        rank. Empty before the first overflow, or without `locate_overflow`.
-        """
-        return list(self._stepper.last_overflow)
-
-    def get_scale(self) -> float:
-        """Return the current scale (1.0 when disabled). Costs ONE host sync on an accelerator
-        (the scale and the floor warning's skipped-step count come in one read)."""
-        if not self._enabled:
-            return 1.0
-        if self._device_state is None:
-            return self._host.scale.scale
-        self._agreement.settle()
-        return self._reporter.warn_if_at_floor(self._device_state, self.policy, self._steps)
-
     def verify_agreement(self) -> None:
         """Check that every rank holds the same scaler state, in one small collective.
 
@@ -525,8 +461,6 @@ class ShardedGradScaler(TorchPrivateMembers, torch.amp.GradScaler):  # type: ign
         state = self._host if self._device_state is None else self._device_state
         names, values = state_fields(state, self.policy)
         self._agreement.compare(values, names, self._steps)
-
-    # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
         """Return the state as Python numbers; empty when disabled, as torch's.
@@ -578,8 +512,6 @@ class ShardedGradScaler(TorchPrivateMembers, torch.amp.GradScaler):  # type: ign
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
         self._setup(pickled["config"], pickled["enabled"], pickled["state"])
-
-    # ------------------------------------------------------------------ internals
 
     def _require_state(self, funcname: str) -> DeviceState:
         if self._device_state is None:
