@@ -19,7 +19,14 @@ import torch
 
 from shardscale._optimizers import optimizer_params
 
-__all__ = ["Clipped", "IterationBook", "OptimizerRecord", "PendingCheck", "Stage"]
+__all__ = [
+    "Clipped",
+    "InFlightIteration",
+    "IterationBook",
+    "OptimizerRecord",
+    "PendingCheck",
+    "Stage",
+]
 
 
 class Stage(Enum):
@@ -184,3 +191,28 @@ class IterationBook:
         """The agreed flags of this iteration, each distinct tensor once."""
         flags = (r.found_inf for r in self.records.values() if r.found_inf is not None)
         return list({id(flag): flag for flag in flags}.values())
+
+
+@dataclass(eq=False, slots=True)
+class InFlightIteration:
+    """One iteration of the async scaler, from its first `scale()` until it is stepped and its
+    scale update applied (several may be in flight at once)."""
+
+    number: int
+    """1-based, counted by this scaler (the step it takes is `book.step`)."""
+    book: IterationBook
+    closed: bool = False
+    """update() was called for it."""
+    resolved: bool = False
+    """Its scale update was applied."""
+    manual_scale: torch.Tensor | None = None
+    failure: BaseException | None = None
+
+    @property
+    def agreed(self) -> bool:
+        return bool(self.book.found_infs())
+
+    @property
+    def stepped(self) -> bool:
+        records = self.book.records.values()
+        return bool(records) and all(r.stage is Stage.STEPPED for r in records)

@@ -28,7 +28,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from shardscale._checkpoint import Counters
-from shardscale._device_state import DeviceState, unpack
+from shardscale._device_state import DeviceState, state_fields, unpack
 from shardscale._errors import ShardScaleSkipError, ShardScaleWarning
 from shardscale._locate import NonFiniteGrad
 from shardscale._policy import ScalePolicy
@@ -261,7 +261,7 @@ def log_located(step: int, located: list[NonFiniteGrad]) -> None:
 
 class ReportingMembers:
     """What happened, as the scaler tells it: `last_step_skipped`, `stats`, stats hooks,
-    `last_overflow` and `get_scale`.
+    `last_overflow`, `get_scale`, and whether the ranks still agree (`verify_agreement`).
 
     A mixin of [`ShardedGradScaler`][shardscale.ShardedGradScaler]: the scaler provides the
     state below (its `_setup` sets it). Every read of an agreed value here settles the
@@ -343,3 +343,21 @@ class ReportingMembers:
             return self._host.scale.scale
         self._agreement.settle()
         return self._reporter.warn_if_at_floor(self._device_state, self.policy, self._steps)
+
+    def verify_agreement(self) -> None:
+        """Check that every rank holds the same scaler state, in one small collective.
+
+        Compares the scale, the trackers, the counters and the policy settings. They always
+        agree if every rank ran the same steps and loaded the same state; this catches the
+        cases where they did not (a state dict loaded on some ranks only, a rank restarted
+        from another checkpoint). A no-op at world size 1. Costs one host synchronisation.
+
+        Raises:
+            ShardScaleDistributedError: the ranks differ; the message lists every rank's values
+                for each field that differs. Or a rank did not arrive within `sync_timeout`.
+        """
+        if not self._enabled or self._agreement.world_size == 1:
+            return
+        state = self._host if self._device_state is None else self._device_state
+        names, values = state_fields(state, self.policy)
+        self._agreement.compare(values, names, self._steps)

@@ -37,7 +37,6 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -45,12 +44,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardscale._agree import Agreement
 from shardscale._compat import passes_itself
-from shardscale._config import timeout_option
-from shardscale._iteration import IterationBook, Stage
+from shardscale._config import ScalerConfig, timeout_option
+from shardscale._iteration import InFlightIteration, IterationBook
 from shardscale._optimizers import OptimizerTarget, steppables
 from shardscale._report import ScalerStats
-from shardscale._stepping import Stepper
 from shardscale.scaler import ShardedGradScaler
 
 __all__ = ["AsyncShardedGradScaler", "on_device"]
@@ -69,28 +68,6 @@ def on_device(device: torch.device) -> AbstractContextManager[object]:
     module = torch.get_device_module(device.type)
     select = getattr(module, "device", None)
     return nullcontext() if select is None else select(device.index)
-
-
-@dataclass(eq=False, slots=True)
-class _Iteration:
-    number: int
-    """1-based, counted by this scaler (the step it takes is `book.step`)."""
-    book: IterationBook
-    closed: bool = False
-    """update() was called for it."""
-    resolved: bool = False
-    """Its scale update was applied."""
-    manual_scale: torch.Tensor | None = None
-    failure: BaseException | None = None
-
-    @property
-    def agreed(self) -> bool:
-        return bool(self.book.found_infs())
-
-    @property
-    def stepped(self) -> bool:
-        records = self.book.records.values()
-        return bool(records) and all(r.stage is Stage.STEPPED for r in records)
 
 
 class AsyncShardedGradScaler(ShardedGradScaler):
@@ -143,28 +120,33 @@ class AsyncShardedGradScaler(ShardedGradScaler):
                 "AsyncShardedGradScaler does not take verify_every: its collective would race "
                 "with the optimizer thread's; call verify_agreement() between iterations"
             )
-        super().__init__(device, **kwargs)
-        timeout = timeout_option("step_timeout", step_timeout)
-        assert timeout is not None
-        self._step_timeout = timeout.total_seconds()
-        self._lock = threading.Condition()
-        self._iterations: deque[_Iteration] = deque()  # opened, not yet resolved and stepped
-        self._open: _Iteration | None = None  # the one scale() is feeding
-        self._opened = 0
-        self._optimizer_id: int | None = None
-        self._resolved_skip: torch.Tensor | None = None
         if flag_backend is not None and not isinstance(flag_backend, str):
             raise TypeError(
                 'flag_backend must be a backend name ("gloo") or None, got '
                 f"{type(flag_backend).__name__}"
             )
-        if dist.is_available() and dist.is_initialized():
-            self._agreement = self._agreement.dedicated(flag_backend)
-        self._stepper = Stepper(
-            self._agreement, locate_overflow=self._config.locate_overflow, defers_agreement=False
-        )
+        self._flag_backend = flag_backend  # read by _make_agreement, during construction
+        super().__init__(device, **kwargs)
+        timeout = timeout_option("step_timeout", step_timeout)
+        assert timeout is not None
+        self._step_timeout = timeout.total_seconds()
+        self._lock = threading.Condition()
+        self._iterations: deque[InFlightIteration] = deque()  # opened, not yet resolved and stepped
+        self._open: InFlightIteration | None = None  # the one scale() is feeding
+        self._opened = 0
+        self._optimizer_id: int | None = None
+        self._resolved_skip: torch.Tensor | None = None
 
-    # ------------------------------------------------------------------ the iteration
+    # The optimizer thread's agreement cannot wait for a step on the compute thread.
+    _defers_agreement = False
+
+    def _make_agreement(self, config: ScalerConfig) -> Agreement:
+        """A process group of this scaler's own (made at construction, on every rank): the
+        optimizer thread's collectives must not interleave with the model's."""
+        agreement = Agreement(config.process_group, config.timeout)
+        if dist.is_available() and dist.is_initialized():
+            return agreement.dedicated(self._flag_backend)
+        return agreement
 
     def scale(self, outputs: Any) -> Any:
         """As [`ShardedGradScaler.scale()`][ShardedGradScaler.scale].
@@ -192,7 +174,7 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         )
         self._opened += 1
         book = IterationBook(step=self._steps + 1, on_agreed=self._on_agreed)
-        self._open = _Iteration(number=self._opened, book=book)
+        self._open = InFlightIteration(number=self._opened, book=book)
         self._iterations.append(self._open)
         self._book = book  # scale() fills in its loss scale: a copy of the scale now
 
@@ -237,7 +219,7 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         return result
 
     @contextmanager
-    def _serving(self, optimizer: OptimizerTarget, funcname: str) -> Iterator[_Iteration]:
+    def _serving(self, optimizer: OptimizerTarget, funcname: str) -> Iterator[InFlightIteration]:
         """The oldest iteration not yet stepped; a failure inside marks it failed for whoever
         waits for its outcome (a later `scale()`)."""
         leaves = [leaf for item in steppables(optimizer) for leaf in item.leaves]
@@ -266,7 +248,7 @@ class AsyncShardedGradScaler(ShardedGradScaler):
                 self._lock.notify_all()
             raise
 
-    def _loss_scale_of(self, iteration: _Iteration, funcname: str) -> torch.Tensor:
+    def _loss_scale_of(self, iteration: InFlightIteration, funcname: str) -> torch.Tensor:
         if iteration.book.loss_scale is None:
             raise RuntimeError(
                 f"Attempted {funcname} but iteration {iteration.number} has no scale: call "
@@ -317,8 +299,6 @@ class AsyncShardedGradScaler(ShardedGradScaler):
             self._lock.notify_all()
             self._apply(found_infs, iteration.manual_scale)
 
-    # ------------------------------------------------------------------ waiting
-
     def _wait(self, ready: Callable[[], bool], what: Callable[[], str]) -> None:
         """Wait (lock held) until `ready()`; raise on timeout or a failed step."""
 
@@ -354,8 +334,6 @@ class AsyncShardedGradScaler(ShardedGradScaler):
                 "build it after init_process_group(), on every rank (it creates a process group "
                 "of its own for the optimizer thread's collectives)"
             )
-
-    # ------------------------------------------------------------------ reading the state
 
     def _compat_book(self) -> IterationBook:
         """The iteration torch's private views read: the oldest not yet resolved (the one a

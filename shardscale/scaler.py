@@ -32,7 +32,7 @@ from shardscale._check import combined
 from shardscale._checkpoint import Counters, ScalerState, parse_state_dict, to_state_dict
 from shardscale._clip import check_clip_args
 from shardscale._config import ScalerConfig
-from shardscale._device_state import DeviceState, state_fields
+from shardscale._device_state import DeviceState
 from shardscale._devices import move
 from shardscale._errors import ShardScaleWarning, no_scale_message
 from shardscale._grads import grads_device, plain_replicas
@@ -103,8 +103,9 @@ class ShardedGradScaler(  # type: ignore[misc]
             None: the process group's own timeout (torch's defaults: 30 minutes for gloo, 10 for
             NCCL). On NCCL it is counted from the enqueue, so choose more than the longest step's
             GPU time (docs/reliability.md).
-        verify_every: call [`verify_agreement()`][verify_agreement] every N steps (one small
-            collective and one host sync each time). 0, the default: never.
+        verify_every: call
+            [`verify_agreement()`][shardscale.ShardedGradScaler.verify_agreement] every N steps
+            (one small collective and one host sync each time). 0, the default: never.
         max_consecutive_skips: raise [`ShardScaleSkipError`][shardscale.ShardScaleSkipError] (naming
             the step and the scale) when more consecutive steps than this are skipped, instead of
             skipping forever. None, the default: no limit.
@@ -174,9 +175,11 @@ class ShardedGradScaler(  # type: ignore[misc]
     def _setup(self, config: ScalerConfig, enabled: bool, state: ScalerState) -> None:
         self._config = config
         self._enabled = enabled
-        self._agreement = Agreement(config.process_group, config.timeout)
+        self._agreement = self._make_agreement(config)
         self._stepper = Stepper(
-            self._agreement, locate_overflow=config.locate_overflow, defers_agreement=True
+            self._agreement,
+            locate_overflow=config.locate_overflow,
+            defers_agreement=self._defers_agreement,
         )
         self._reporter = StepReporter(config.max_consecutive_skips)
         # The state on the host until the first scale() (or step) puts it on a device.
@@ -187,6 +190,15 @@ class ShardedGradScaler(  # type: ignore[misc]
         self._book = IterationBook(step=self._steps + 1)
         # The last step()'s decision: a bool where the host already read it, else the device flag.
         self._last_skip: bool | torch.Tensor = False
+
+    _defers_agreement = True
+    """Whether `unscale_` may leave its agreement to the next step, clip or update (a subclass
+    whose steps run on another thread says False)."""
+
+    def _make_agreement(self, config: ScalerConfig) -> Agreement:
+        """The agreement this scaler runs its collectives on (a subclass may give it a group
+        of its own)."""
+        return Agreement(config.process_group, config.timeout)
 
     @property
     def policy(self) -> ScalePolicy:
@@ -443,24 +455,6 @@ class ShardedGradScaler(  # type: ignore[misc]
         verify_every = self._config.verify_every
         if verify_every and found_infs and self._steps % verify_every == 0:
             self.verify_agreement()
-
-    def verify_agreement(self) -> None:
-        """Check that every rank holds the same scaler state, in one small collective.
-
-        Compares the scale, the trackers, the counters and the policy settings. They always
-        agree if every rank ran the same steps and loaded the same state; this catches the
-        cases where they did not (a state dict loaded on some ranks only, a rank restarted
-        from another checkpoint). A no-op at world size 1. Costs one host synchronisation.
-
-        Raises:
-            ShardScaleDistributedError: the ranks differ; the message lists every rank's values
-                for each field that differs. Or a rank did not arrive within `sync_timeout`.
-        """
-        if not self._enabled or self._agreement.world_size == 1:
-            return
-        state = self._host if self._device_state is None else self._device_state
-        names, values = state_fields(state, self.policy)
-        self._agreement.compare(values, names, self._steps)
 
     def state_dict(self) -> dict[str, Any]:
         """Return the state as Python numbers; empty when disabled, as torch's.
