@@ -28,7 +28,7 @@ from shardscale._iteration import Clipped, IterationBook, OptimizerRecord, Stage
 from shardscale._locate import NonFiniteGrad, locate, optimizer_named_params
 from shardscale._optimizers import optimizer_params, steppables, takes_scale
 from shardscale._report import log_located
-from shardscale._walk import GradCache, GradWalk
+from shardscale._walk import GradCache, GradGroups, GradWalk
 
 __all__ = ["Stepper"]
 
@@ -153,10 +153,21 @@ class Stepper:
         """Unscale and check `records`' gradients in place; leave the agreement pending."""
         with torch.no_grad():
             walk = self._walk("unscale", records)
+            self._settle_before_host_copy(walk.kernel_groups(), scale)
             flags = check_and_unscale_(walk.kernel_groups(), inverse(scale))
         book.add_pending(records, flags.values(), walk.holds)
         for record in records:
             record.stage = Stage.UNSCALED
+
+    def _settle_before_host_copy(self, groups: GradGroups, scale: torch.Tensor) -> None:
+        """Bound the collective in flight before unscaling CPU gradients by a device scale.
+
+        Their inverse scale is copied to the host (blocking), which waits for the device's
+        queue: behind the previous step's collective, if it is still in flight (NCCL with
+        `sync_timeout`). Settling first bounds that wait by `sync_timeout`.
+        """
+        if scale.device.type != "cpu" and any(device.type == "cpu" for device, _ in groups):
+            self.agreement.settle()
 
     def _walk(self, purpose: str, records: list[OptimizerRecord]) -> GradWalk:
         """The local gradients of `records`' optimizers, their layout cached per purpose and
@@ -192,6 +203,8 @@ class Stepper:
             unscaling = self._walk("unscale", to_unscale)
             checking = self._walk("check", to_check)
             unscale_groups = unscaling.kernel_groups()
+            if not confirm:
+                self._settle_before_host_copy(unscale_groups, scale)
             holds = unscaling.holds or checking.holds or (pending is not None and pending.holds)
             ballot = self.agreement.ballot(scale.device, holds_grads=holds, has_scale=not confirm)
             flags = check_and_unscale_(

@@ -375,6 +375,19 @@ def test_step_fused_copy_to_cpu_settles_the_collective_first(settles: _DeviceCou
     assert _each_host_sync_settled_first(settles.log)
 
 
+def test_step_plain_over_cpu_grads_settles_before_copying_the_inverse_scale(
+    settles: _DeviceCounter,
+) -> None:
+    """CPU gradients are unscaled by a blocking host copy of the device's inverse scale, which
+    waits behind a collective still in flight: bounded by settling first, as reads are."""
+    scaler = ShardedGradScaler()
+    with settles:
+        scaler.scale(torch.ones((), device=META))
+        scaler.step(_PlainSpy(_params(torch.device("cpu"))))
+    assert settles.copies  # the inverse scale did travel to the host
+    assert _each_host_sync_settled_first(settles.log)
+
+
 def test_accelerate_step_was_skipped_settles_the_collective_first(
     settles: _DeviceCounter,
 ) -> None:
