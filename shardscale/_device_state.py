@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from shardscale._checkpoint import Counters, ScalerState, to_state_dict
+from shardscale._errors import no_scale_message
 from shardscale._policy import ScalePolicy, ScaleState
 
-__all__ = ["DeviceState", "state_fields", "unpack"]
+__all__ = ["DeviceState", "ScaleHome", "state_fields", "unpack"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,68 @@ class DeviceState:
         """The state as host values: one host read (a synchronisation on an accelerator)."""
         scale, counters = unpack(self.packed().tolist())
         return ScalerState(policy=policy, scale=scale, counters=counters)
+
+
+class ScaleHome:
+    """Where this rank's scale state lives, and the one answer to "does this rank hold a scale?".
+
+    The state stays on the host (`host`) until `scale()` puts it where the loss is
+    ([`at_loss()`][at_loss]): this rank scaled. A rank that never scales (a pipeline stage before
+    the last) gets it where its gradients are when it first steps
+    ([`for_gradients()`][for_gradients]), *unconfirmed*: it checks its gradients but modifies
+    nothing until the group's first agreement shows that some rank scaled
+    ([`confirm()`][confirm]). The scaler, its mixins and its stepper all ask this object.
+    """
+
+    def __init__(self, host: ScalerState) -> None:
+        self.host = host
+        """The state on the host: all of it before a device holds it; after, its policy and
+        the values the state started from (torch's `_init_scale`)."""
+        self.device: DeviceState | None = None
+        """The state on its device, once a loss or a step put it there."""
+        self.scaled_here = False
+        """Whether this rank called `scale()`."""
+        self.unconfirmed = False
+        """The state was put here by a step, not by `scale()`, and no agreement has yet
+        confirmed that some rank scales."""
+
+    def at(self, device: torch.device) -> DeviceState:
+        """The state on `device`, put there now if no device holds it yet."""
+        if self.device is None:
+            self.device = DeviceState.create(self.host, device)
+        return self.device
+
+    def at_loss(self, device: torch.device) -> DeviceState:
+        """The state for a loss on `device`: the scale lives where the first loss does."""
+        self.scaled_here = True
+        return self.at(device)
+
+    def for_gradients(self, device: torch.device) -> DeviceState:
+        """The state for a rank that steps without having scaled: where its gradients are,
+        unconfirmed until the group agrees that some rank scaled."""
+        if self.device is None:
+            self.unconfirmed = True
+        return self.at(device)
+
+    def confirm(self) -> None:
+        """The group agreed that some rank scaled: this rank may now modify its gradients."""
+        self.unconfirmed = False
+
+    def require(self, funcname: str) -> DeviceState:
+        """The state on its device; torch's error if no `scale()` (or step) put it there.
+
+        Raises:
+            RuntimeError: no state on a device yet, in torch's words.
+        """
+        if self.device is None:
+            raise RuntimeError(no_scale_message(funcname))
+        return self.device
+
+    def load(self, state: ScalerState) -> None:
+        """Take `state` (a loaded state dict), on the host and, if one holds it, the device."""
+        self.host = state
+        if self.device is not None:
+            self.device.write(state)
 
 
 def unpack(values: list[float]) -> tuple[ScaleState, Counters]:

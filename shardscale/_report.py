@@ -28,14 +28,13 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from shardscale._checkpoint import Counters
-from shardscale._device_state import DeviceState, state_fields, unpack
+from shardscale._device_state import DeviceState, ScaleHome, state_fields, unpack
 from shardscale._errors import ShardScaleSkipError, ShardScaleWarning
 from shardscale._locate import NonFiniteGrad
 from shardscale._policy import ScalePolicy
 
 if TYPE_CHECKING:
     from shardscale._agree import Agreement
-    from shardscale._checkpoint import ScalerState
     from shardscale._stepping import Stepper
 
 __all__ = [
@@ -269,8 +268,7 @@ class ReportingMembers:
     """
 
     _enabled: bool
-    _host: ScalerState
-    _device_state: DeviceState | None
+    _home: ScaleHome
     _agreement: Agreement
     _stepper: Stepper
     _reporter: StepReporter
@@ -305,10 +303,10 @@ class ReportingMembers:
         # Settled first: the flush waits for a copy that follows the collective in flight.
         self._agreement.settle()
         self._reporter.flush()
-        if self._device_state is None:
-            scale = self._host.scale.scale if self._enabled else 1.0
-            return stats_of(scale, self._host.counters)
-        return stats_from(self._device_state.packed().tolist())
+        if self._home.device is None:
+            scale = self._home.host.scale.scale if self._enabled else 1.0
+            return stats_of(scale, self._home.host.counters)
+        return stats_from(self._home.device.packed().tolist())
 
     def register_stats_hook(self, hook: StatsHook) -> RemovableHandle:
         """Call `hook(stats)` after every `update()` that counted a step.
@@ -339,10 +337,10 @@ class ReportingMembers:
         (the scale and the floor warning's skipped-step count come in one read)."""
         if not self._enabled:
             return 1.0
-        if self._device_state is None:
-            return self._host.scale.scale
+        if self._home.device is None:
+            return self._home.host.scale.scale
         self._agreement.settle()
-        return self._reporter.warn_if_at_floor(self._device_state, self.policy, self._steps)
+        return self._reporter.warn_if_at_floor(self._home.device, self.policy, self._steps)
 
     def verify_agreement(self) -> None:
         """Check that every rank holds the same scaler state, in one small collective.
@@ -358,6 +356,6 @@ class ReportingMembers:
         """
         if not self._enabled or self._agreement.world_size == 1:
             return
-        state = self._host if self._device_state is None else self._device_state
+        state = self._home.host if self._home.device is None else self._home.device
         names, values = state_fields(state, self.policy)
         self._agreement.compare(values, names, self._steps)

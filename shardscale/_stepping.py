@@ -22,6 +22,7 @@ import torch
 from shardscale._agree import Agreement, Verdict
 from shardscale._check import check_and_unscale_, combined, inverse, multiply_, ones
 from shardscale._clip import apply_, by_device_dtype, local_norms, norm_flags_exact
+from shardscale._device_state import ScaleHome
 from shardscale._errors import ShardScaleWarning
 from shardscale._fused import step_on_device
 from shardscale._iteration import Clipped, IterationBook, OptimizerRecord, Stage
@@ -46,18 +47,19 @@ class Stepper:
     """
 
     def __init__(
-        self, agreement: Agreement, *, locate_overflow: bool, defers_agreement: bool
+        self,
+        agreement: Agreement,
+        home: ScaleHome,
+        *,
+        locate_overflow: bool,
+        defers_agreement: bool,
     ) -> None:
         self.agreement = agreement
+        self.home = home  # whether this rank scaled, or holds an unconfirmed scale
         self.last_overflow: list[NonFiniteGrad] = []
         self._locate_overflow = locate_overflow
         self._defers = defers_agreement
         self._cache = GradCache()
-        # Whether this rank called scale() (a pipeline stage before the last never does).
-        self.scaled_here = False
-        # This rank's state was made by a step, not by scale(): until the group confirms that
-        # some rank scales, its gradients are checked but not modified.
-        self.scale_unconfirmed = False
         # Whether this scaler has been through an agreement: every rank passes its first at the
         # same collective, so "defer unscale_'s agreement" is decided alike everywhere.
         self._agreed_once = False
@@ -193,7 +195,7 @@ class Stepper:
         `found_inf`. On a rank that never called `scale()` nothing is modified until the
         group has confirmed that some rank did.
         """
-        confirm = funcname if self.scale_unconfirmed else None
+        confirm = funcname if self.home.unconfirmed else None
         # Only gradients to unscale need it (a fused optimizer's are only checked).
         inv_scale = inverse(scale) if to_unscale else None
         pending = book.take_pending()
@@ -219,7 +221,7 @@ class Stepper:
                 confirm_scale=confirm,
             )
             if confirm:  # the group confirmed that some rank scaled: unscale now
-                self.scale_unconfirmed = False
+                self.home.confirm()
                 if inv_scale is not None:
                     multiply_(unscale_groups, inv_scale)
         self._agreed_once = True
@@ -293,7 +295,7 @@ class Stepper:
             else:
                 device = next(iter(groups))[0] if groups else _CPU
                 inv_scale = ones(device)  # made once: no kernel per step
-            confirm = "clip_grad_norm_" if scale is not None and self.scale_unconfirmed else None
+            confirm = "clip_grad_norm_" if scale is not None and self.home.unconfirmed else None
             holds = walk.holds or (pending is not None and pending.holds)
             ballot = self.agreement.ballot(
                 device, holds_grads=holds, has_scale=confirm is None, with_norm=True
@@ -318,7 +320,8 @@ class Stepper:
                 norm_share=share,
                 norm_type=norm_type,
             )
-            self.scale_unconfirmed = self.scale_unconfirmed and confirm is None
+            if confirm is not None:
+                self.home.confirm()
             self._agreed_once = True
             assert verdict.total_norm is not None
             apply_(
@@ -336,7 +339,7 @@ class Stepper:
     def _warn_if_plain_replicas_assumed(self, plain: bool, replicas: int) -> None:
         """Warn, once, where the default replica group is most likely wrong: a pipeline stage."""
         world_size = self.agreement.world_size
-        if not plain or self.scaled_here or replicas != world_size or world_size == 1:
+        if not plain or self.home.scaled_here or replicas != world_size or world_size == 1:
             return
         if self._warned_plain_replicas:
             return

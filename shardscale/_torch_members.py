@@ -21,7 +21,7 @@ import torch
 
 from shardscale import _compat
 from shardscale._check import combined
-from shardscale._device_state import DeviceState
+from shardscale._device_state import DeviceState, ScaleHome
 from shardscale._iteration import IterationBook, Stage
 from shardscale._optimizers import OptimizerTarget, steppables
 
@@ -43,8 +43,7 @@ class TorchPrivateMembers:
 
     _enabled: bool
     _config: ScalerConfig
-    _host: ScalerState
-    _device_state: DeviceState | None
+    _home: ScaleHome
     _agreement: Agreement
     _stepper: Stepper
     _book: IterationBook
@@ -73,7 +72,7 @@ class TorchPrivateMembers:
         The live tensor: in-place writes (`fill_`) set the scale. Assigning another tensor is
         refused: use `update(new_scale=...)` or `load_state_dict`.
         """
-        return None if self._device_state is None else self._device_state.scale
+        return None if self._home.device is None else self._home.device.scale
 
     @_scale.setter
     def _scale(self, value: object) -> None:
@@ -82,7 +81,7 @@ class TorchPrivateMembers:
     @property
     def _growth_tracker(self) -> torch.Tensor | None:
         """The int32 growth tracker tensor (None before the first `scale()`), as torch's."""
-        return None if self._device_state is None else self._device_state.growth_tracker
+        return None if self._home.device is None else self._home.device.growth_tracker
 
     @_growth_tracker.setter
     def _growth_tracker(self, value: object) -> None:
@@ -99,8 +98,8 @@ class TorchPrivateMembers:
     @property
     def _device(self) -> str:
         """The device type, under torch's private name (accelerate reads it on resume)."""
-        if self._device_state is not None:
-            return self._device_state.scale.device.type
+        if self._home.device is not None:
+            return self._home.device.scale.device.type
         return self._config.device or "cpu"
 
     @_device.setter
@@ -111,18 +110,20 @@ class TorchPrivateMembers:
     def _init_scale(self) -> float:
         """The scale the state starts from when it is put on a device (torch's meaning: set by
         the constructor and by `load_state_dict`; later steps do not change it)."""
-        return self._host.scale.scale
+        return self._home.host.scale.scale
 
     @_init_scale.setter
     def _init_scale(self, value: float) -> None:
         scale = float(value)
         self.policy.check_scale("_init_scale", scale)
-        self._host = replace(self._host, scale=replace(self._host.scale, scale=scale))
+        self._home.host = replace(
+            self._home.host, scale=replace(self._home.host.scale, scale=scale)
+        )
 
     @property
     def _init_growth_tracker(self) -> int:
         """The growth tracker the state starts from, as `_init_scale` (torch's meaning)."""
-        return self._host.scale.growth_tracker
+        return self._home.host.scale.growth_tracker
 
     @_init_growth_tracker.setter
     def _init_growth_tracker(self, value: int) -> None:
@@ -130,7 +131,9 @@ class TorchPrivateMembers:
         # tracker at or past the interval grows the scale at the next clean step.
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"_init_growth_tracker must be an int >= 0, got {value!r}")
-        self._host = replace(self._host, scale=replace(self._host.scale, growth_tracker=value))
+        self._home.host = replace(
+            self._home.host, scale=replace(self._home.host.scale, growth_tracker=value)
+        )
 
     @property
     def _growth_factor(self) -> float:
@@ -241,13 +244,13 @@ class TorchPrivateMembers:
     def _lazy_init_scale_growth_tracker(self, dev: str | torch.device) -> None:
         """Put the state on `dev` now rather than at the first `scale()` (torch's private
         hook: accelerate calls it after loading a state dict for FSDP2). A no-op once there."""
-        if self._enabled and self._device_state is None:
+        if self._enabled and self._home.device is None:
             device = torch.device(dev)
             if device.type != "cpu" and device.index is None:
                 device = torch.device(
                     device.type, torch.get_device_module(device.type).current_device()
                 )
-            self._device_state = DeviceState.create(self._host, device)
+            self._home.device = DeviceState.create(self._home.host, device)
 
     def _maybe_opt_step(
         self,

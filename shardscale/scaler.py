@@ -6,12 +6,12 @@ and counters. That holds because each rank checks its own gradient shards and th
 share ONE flag tensor in ONE all-reduce per step; everything after that (the skip decision, the
 policy maths) is a deterministic function of the agreed flag.
 
-The class orchestrates and stays thin: `_config` validates the options, `_iteration` keeps
-the iteration's call-order state, `_stepping` checks, agrees, clips and steps, `_device_state`
-holds the scale on the device, `_checkpoint` reads and writes state dicts. Two mixins carry
-the members that are not the iteration: `_report.ReportingMembers` (what happened: stats,
-hooks, `last_step_skipped`, `get_scale`) and `_torch_members.TorchPrivateMembers` (torch's
-private members, as public code reads them).
+The class orchestrates and stays thin: `_config` validates the options, `_iteration` keeps the
+iteration's call-order state, `_stepping` checks, agrees, clips and steps, `_device_state` holds
+the scale on the device (and `ScaleHome` says whether this rank holds one), `_checkpoint` reads
+and writes state dicts. Two mixins carry the members that are not the iteration:
+`_report.ReportingMembers` (what happened: stats, hooks, `last_step_skipped`, `get_scale`) and
+`_torch_members.TorchPrivateMembers` (torch's private members, as public code reads them).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from shardscale._check import combined
 from shardscale._checkpoint import Counters, ScalerState, parse_state_dict, to_state_dict
 from shardscale._clip import check_clip_args
 from shardscale._config import ScalerConfig
-from shardscale._device_state import DeviceState
+from shardscale._device_state import DeviceState, ScaleHome
 from shardscale._devices import move
 from shardscale._errors import ShardScaleWarning, no_scale_message
 from shardscale._grads import grads_device, plain_replicas
@@ -176,15 +176,15 @@ class ShardedGradScaler(  # type: ignore[misc]
         self._config = config
         self._enabled = enabled
         self._agreement = self._make_agreement(config)
+        # The state on the host until the first scale() (or step) puts it on a device.
+        self._home = ScaleHome(state)
         self._stepper = Stepper(
             self._agreement,
+            self._home,
             locate_overflow=config.locate_overflow,
             defers_agreement=self._defers_agreement,
         )
         self._reporter = StepReporter(config.max_consecutive_skips)
-        # The state on the host until the first scale() (or step) puts it on a device.
-        self._host = state
-        self._device_state: DeviceState | None = None
         # The steps counted so far, kept on the host too: messages name the step without a read.
         self._steps = state.counters.steps
         self._book = IterationBook(step=self._steps + 1)
@@ -203,10 +203,12 @@ class ShardedGradScaler(  # type: ignore[misc]
     @property
     def policy(self) -> ScalePolicy:
         """The current scale policy (growth, backoff, hysteresis, floor, ceiling)."""
-        return self._host.policy
+        return self._home.host.policy
 
     def _set_policy(self, **changes: Any) -> None:
-        self._host = replace(self._host, policy=replace(self._host.policy, **changes))
+        self._home.host = replace(
+            self._home.host, policy=replace(self._home.host.policy, **changes)
+        )
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
@@ -284,14 +286,12 @@ class ShardedGradScaler(  # type: ignore[misc]
                 f"scale() got a tensor on {output.device}, but this scaler was built with "
                 f"device={device_type!r}; pass the loss's device, or leave device unset"
             )
-        if self._device_state is None:  # the scale lives where the first loss does
-            self._device_state = DeviceState.create(self._host, output.device)
-        self._stepper.scaled_here = True
+        state = self._home.at_loss(output.device)
         book = self._book
         if book.loss_scale is None:
             # A copy of the live scale, once per iteration: update() then never modifies a
             # tensor autograd saved for a backward still to come.
-            book.loss_scale = self._device_state.scale.clone()
+            book.loss_scale = state.scale.clone()
         return (output * move(book.loss_scale, output.device)).to(output.dtype)
 
     def unscale_(self, optimizer: OptimizerTarget) -> None:
@@ -484,11 +484,9 @@ class ShardedGradScaler(  # type: ignore[misc]
         if not self._enabled:
             return
         state = parse_state_dict(state_dict, self.policy)
-        self._host = state
+        self._home.load(state)
         self._steps = state.counters.steps
         self._book.loss_scale = None  # the next loss takes the loaded scale
-        if self._device_state is not None:
-            self._device_state.write(state)
 
     def __getstate__(self) -> dict[str, Any]:
         if self._book.records:
@@ -501,16 +499,14 @@ class ShardedGradScaler(  # type: ignore[misc]
                 "a ShardedGradScaler bound to an explicit process_group cannot be pickled "
                 "(process groups cannot be); save state_dict() instead"
             )
-        state = self._read_state() if self._enabled else self._host
+        state = self._read_state() if self._enabled else self._home.host
         return {"config": self._config, "enabled": self._enabled, "state": state}
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
         self._setup(pickled["config"], pickled["enabled"], pickled["state"])
 
     def _require_state(self, funcname: str) -> DeviceState:
-        if self._device_state is None:
-            raise RuntimeError(no_scale_message(funcname))
-        return self._device_state
+        return self._home.require(funcname)
 
     def _ensure_state(
         self, funcname: str, source: Iterable[torch.optim.Optimizer] | list[torch.Tensor]
@@ -519,11 +515,12 @@ class ShardedGradScaler(  # type: ignore[misc]
 
         In a pipeline only the last stage computes a loss; the others never call `scale()`,
         yet hold the same scale (every rank does) and must check, step and update with the
-        rest: their state goes where their gradients are. Alone in its group, a rank without a
-        scale raises torch's error instead: nobody else can have scaled its loss.
+        rest: their state goes where their gradients are ([`ScaleHome.for_gradients()`][]).
+        Alone in its group, a rank without a scale raises torch's error instead: nobody else
+        can have scaled its loss.
         """
-        if self._device_state is not None:
-            return self._device_state
+        if self._home.device is not None:
+            return self._home.device
         if self._agreement.world_size == 1:
             raise RuntimeError(no_scale_message(funcname))
         items = list(source)
@@ -532,12 +529,10 @@ class ShardedGradScaler(  # type: ignore[misc]
             if items and not isinstance(items[0], torch.Tensor)
             else items
         )
-        self._device_state = DeviceState.create(self._host, grads_device(params))  # type: ignore[arg-type]
-        self._stepper.scale_unconfirmed = True
-        return self._device_state
+        return self._home.for_gradients(grads_device(params))  # type: ignore[arg-type]
 
     def _read_state(self) -> ScalerState:
-        if self._device_state is None:
-            return self._host
+        if self._home.device is None:
+            return self._home.host
         self._agreement.settle()  # a host read of agreed values: bounded by sync_timeout
-        return self._device_state.read(self.policy)
+        return self._home.device.read(self.policy)

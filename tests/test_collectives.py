@@ -527,11 +527,10 @@ def test_verify_agreement_of_a_device_state_costs_one_transfer(
     nccl_on_meta: list[_Work],
 ) -> None:
     from shardscale import ShardedGradScaler
-    from shardscale._device_state import DeviceState
 
     scaler = ShardedGradScaler(init_scale=8.0)
     scaler._agreement = _agreement(5.0, _Group(["meta"]))
-    scaler._device_state = DeviceState.create(scaler._host, META)
+    scaler._home.at(META)
     with _Transfers():
         scaler.verify_agreement()  # warm: the policy's settings are made on the device once
     with _Transfers() as transfers:
