@@ -42,7 +42,7 @@ def check_and_unscale_(
     for (device, _dtype), grads in groups.items():
         if device not in flags:
             flags[device] = torch.zeros((), dtype=torch.float32, device=device)
-        factor = _ones(device) if inv_scale is None else move(inv_scale, device)
+        factor = ones(device) if inv_scale is None else move(inv_scale, device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, flags[device], factor)
     return flags
 
@@ -73,15 +73,11 @@ def inverse(scale: torch.Tensor) -> torch.Tensor:
     return torch.div(_one64(scale.device), scale, out=out)
 
 
+@functools.cache
 def ones(device: torch.device) -> torch.Tensor:
     """A float32 one on `device`, made once per device: for a kernel that wants a factor but
-    has nothing to multiply by. Never modify it."""
-    return _ones(device)
-
-
-@functools.cache
-def _ones(device: torch.device) -> torch.Tensor:
-    """A float32 one on `device`, made once (the check-only pass multiplies by it)."""
+    has nothing to multiply by (the check-only pass, a clip of unscaled gradients, the clip
+    factor's ceiling). Never modify it."""
     return torch.ones((), dtype=torch.float32, device=device)
 
 

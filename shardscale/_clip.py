@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from shardscale._check import Flags, multiply_
+from shardscale._check import Flags, multiply_, ones
 from shardscale._devices import move
 from shardscale._walk import GradGroups, NormKey
 
@@ -169,7 +169,7 @@ def apply_(
     """
     coef = torch.div(_constant(max_norm, total_norm.device), total_norm + _CLIP_EPS)
     # fmin/fmax ignore a NaN (a NaN norm: an overflow), so an overflow gives exactly 1.
-    factor = torch.fmax(torch.fmin(coef, _constant(1.0, coef.device)), found_inf)
+    factor = torch.fmax(torch.fmin(coef, ones(coef.device)), found_inf)
     if inv_scale is not None:
         factor = factor * move(inv_scale, factor.device)
     multiply_(by_device_dtype(groups), factor)
