@@ -393,6 +393,15 @@ class Exchange:
         except RuntimeError as error:
             raise self._failure(error, pending.enqueued, pending.step, pending.what) from error
 
+    def read_flag(self, flag: torch.Tensor) -> bool:
+        """An agreed flag's value on the host: the one way the scaler reads one.
+
+        Settles the collective in flight first (`settle()`), so the read, a synchronisation on
+        an accelerator, is bounded by `timeout` rather than by the backend's own.
+        """
+        self.settle()
+        return bool(flag.item())
+
     def _failure(
         self, error: RuntimeError, enqueued: float, step: int | None, what: str
     ) -> ShardScaleDistributedError:

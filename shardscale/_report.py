@@ -289,8 +289,7 @@ class ReportingMembers:
         """
         if isinstance(self._last_skip, torch.Tensor):
             # Read each time, never cached: a CUDA-graph replay updates this very tensor.
-            self._agreement.settle()  # bounded by sync_timeout, not by NCCL's own
-            return bool(self._last_skip.item())
+            return self._agreement.read_flag(self._last_skip)
         return self._last_skip
 
     @property

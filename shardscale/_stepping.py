@@ -128,8 +128,7 @@ class Stepper:
                     if known is not None and known[0] is found_inf:  # locate_overflow read it
                         decisions[id(found_inf)] = known[1]
                     else:  # the step's one host synchronisation
-                        self.agreement.settle()  # bounded by sync_timeout, not the backend's
-                        decisions[id(found_inf)] = bool(found_inf.item())
+                        decisions[id(found_inf)] = self.agreement.read_flag(found_inf)
                 skipped = decisions[id(found_inf)]
                 results.append(
                     None
@@ -367,8 +366,7 @@ class Stepper:
         """With `locate_overflow`: on an overflow step, find and log the non-finite grads."""
         if not (self._locate_overflow and records):
             return
-        self.agreement.settle()  # a host read of the agreed flag: bounded by sync_timeout
-        overflowed = bool(found_inf.item())  # same on every rank
+        overflowed = self.agreement.read_flag(found_inf)  # same on every rank
         self._flag_read = (found_inf, overflowed)
         if not overflowed:
             return

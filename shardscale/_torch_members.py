@@ -262,8 +262,8 @@ class TorchPrivateMembers:
         """torch's helper: step `optimizer` unless `optimizer_state`'s flags say inf/NaN
         (with our `_per_optimizer_states`, the agreed flag: every rank alike). The read is
         bounded by `sync_timeout`: the collective in flight is settled first."""
-        self._agreement.settle()
-        if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
+        flags = optimizer_state["found_inf_per_device"].values()
+        if not any(self._agreement.read_flag(flag) for flag in flags):
             return optimizer.step(*args, **kwargs)
         return None
 

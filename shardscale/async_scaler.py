@@ -361,8 +361,7 @@ class AsyncShardedGradScaler(ShardedGradScaler):
             skip = self._resolved_skip
         if skip is None:
             return False
-        self._agreement.settle()  # a host read of the agreed flag: bounded by sync_timeout
-        return bool(skip.item())
+        return self._agreement.read_flag(skip)
 
     @property
     def stats(self) -> ScalerStats:

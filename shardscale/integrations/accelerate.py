@@ -99,7 +99,7 @@ def _reporting_skips(prepare_optimizer: Any, scaler: ShardedGradScaler) -> Any:
                 # The agreed decision, unread: a fused optimizer's is a device flag, read
                 # (one host sync) only if step_was_skipped is asked.
                 self._shardscale_skip = scaler._last_skip
-                self._shardscale_settle = scaler._agreement.settle
+                self._shardscale_read = scaler._agreement.read_flag
             return result
 
         # A bound method, as torch's LR schedulers expect to find (they wrap it in turn).
@@ -127,9 +127,8 @@ def _reading_skips_lazily(optimizer_class: type) -> type:
         if decision is None:  # no synced step yet
             return bool(self._is_overflow)
         if not isinstance(decision, bool):  # a device flag: one host read, kept for the step
-            self._shardscale_settle()  # bounded by the scaler's sync_timeout
-            decision = self._shardscale_skip = bool(decision.item())
-        return decision
+            decision = self._shardscale_skip = bool(self._shardscale_read(decision))
+        return bool(decision)
 
     return type(
         optimizer_class.__name__,
