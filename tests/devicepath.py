@@ -143,12 +143,31 @@ class DeviceCounter(TorchDispatchMode):
     Attributes:
         kernels: the op names counted as kernels, in order (for messages).
         event_waits: raised by the ``torch.cuda`` stubs' ``Event.synchronize``.
+        log: host syncs in order, ``("read", None)``, ``("to_cpu", None)`` (``_to_copy``) and
+            ``("copy", value)`` (``copy_``), for tests of what comes before them; a test may
+            replace it with a list it shares (the ``torch.cuda`` stubs' log).
     """
 
     def __init__(self, value: float = 0.0) -> None:
         super().__init__()
         self.value = value
+        self.log: list[tuple[str, object]] = []
         self.reset()
+
+    @property
+    def reads(self) -> int:
+        """Host reads so far (``host_reads``)."""
+        return self.host_reads
+
+    @property
+    def copies(self) -> list[bool]:
+        """Device-to-host copies so far, as ``non_blocking`` flags (False: it blocks)."""
+        return self.d2h
+
+    @property
+    def syncs(self) -> int:
+        """What stalls the host on a GPU: reads, and copies to the CPU that block."""
+        return self.host_reads + sum(not non_blocking for non_blocking in self.d2h)
 
     def reset(self) -> None:
         """Start a new window."""
@@ -175,6 +194,7 @@ class DeviceCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if func is aten._local_scalar_dense.default and args[0].device == META:
             self.host_reads += 1
+            self.log.append(("read", None))
             return self.value if args[0].dtype.is_floating_point else int(self.value)
         if func is aten._to_copy.default:
             source = args[0].device
@@ -182,6 +202,7 @@ class DeviceCounter(TorchDispatchMode):
             non_blocking = bool(kwargs.get("non_blocking", False))
             if source == META and target.type == "cpu":
                 self.d2h.append(non_blocking)
+                self.log.append(("to_cpu", None))
                 dtype = kwargs.get("dtype") or args[0].dtype
                 return torch.full(args[0].shape, self.value, dtype=dtype)
             if source.type == "cpu" and target == META:
@@ -192,6 +213,7 @@ class DeviceCounter(TorchDispatchMode):
             non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
             if source == META and destination.type == "cpu":
                 self.d2h.append(non_blocking)
+                self.log.append(("copy", self.value))
                 return args[0].fill_(self.value)
             if source.type == "cpu" and destination == META:
                 self.h2d.append(non_blocking)
@@ -256,19 +278,25 @@ class CudaStubs:
     """Recorders for the parts of ``torch.cuda`` the scaler uses beside kernels.
 
     ``Event.synchronize`` raises ``counter.event_waits`` of the counter set in ``counter``.
+    ``log`` records, in order, ``("record", stream's device)``, ``("synchronize", None)``,
+    ``("device", d)`` and ``("device exit", d)`` (entering and leaving ``torch.cuda.device``).
     """
 
     def __init__(self) -> None:
         self.counter: DeviceCounter | None = None
         self.pinned = 0
         self.records: list[torch.device | None] = []
+        self.log: list[tuple[str, object]] = []
         stubs = self
 
         class Event:
             def record(self, stream: _Stream | None = None) -> None:
-                stubs.records.append(None if stream is None else stream.device)
+                device = None if stream is None else stream.device
+                stubs.records.append(device)
+                stubs.log.append(("record", device))
 
             def synchronize(self) -> None:
+                stubs.log.append(("synchronize", None))
                 if stubs.counter is not None:
                     stubs.counter.event_waits += 1
 
@@ -285,7 +313,9 @@ class CudaStubs:
 
     @contextmanager
     def device(self, device: object) -> Iterator[None]:
+        self.log.append(("device", device))
         yield
+        self.log.append(("device exit", device))
 
 
 def install_cuda_stubs(monkeypatch: pytest.MonkeyPatch) -> CudaStubs:

@@ -14,61 +14,17 @@ accelerate integration reads the skip flag only when asked (P5).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardscale import ShardedGradScaler
+from tests.devicepath import CudaStubs, DeviceCounter, install_cuda_stubs
 
 aten = torch.ops.aten
 META = torch.device("meta")
-
-
-class _DeviceCounter(TorchDispatchMode):
-    """Counts host reads and meta-to-CPU copies, and answers them with ``value``.
-
-    Attributes:
-        reads: host reads of a meta tensor (``.item()``, ``.tolist()``, ``bool()``).
-        copies: meta-to-CPU copies, as ``non_blocking`` flags (False: the copy blocks).
-    """
-
-    def __init__(self, value: float = 0.0) -> None:
-        super().__init__()
-        self.value = value
-        self.reads = 0
-        self.copies: list[bool] = []
-        self.log: list[tuple[str, object]] = []
-
-    @property
-    def syncs(self) -> int:
-        """What stalls the host on a GPU: reads, and copies to the CPU that block."""
-        return self.reads + sum(not non_blocking for non_blocking in self.copies)
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func is aten._local_scalar_dense.default and args[0].device == META:
-            self.reads += 1
-            self.log.append(("read", None))
-            return self.value if args[0].dtype.is_floating_point else int(self.value)
-        if func is aten._to_copy.default and args[0].device == META:
-            target = torch.device(kwargs.get("device") or META)
-            if target.type == "cpu":
-                self.copies.append(bool(kwargs.get("non_blocking", False)))
-                self.log.append(("to_cpu", None))
-                dtype = kwargs.get("dtype") or args[0].dtype
-                return torch.full(args[0].shape, self.value, dtype=dtype)
-        if func is aten.copy_.default and args[1].device == META and args[0].device.type == "cpu":
-            self.copies.append(bool(args[2] if len(args) > 2 else kwargs.get("non_blocking")))
-            self.log.append(("copy", self.value))
-            return args[0].fill_(self.value)
-        return func(*args, **kwargs)
 
 
 class _FusedSpy(torch.optim.Optimizer):
@@ -122,7 +78,7 @@ def _fused_cpu_params_step(scaler: ShardedGradScaler, optimizer: _FusedSpy) -> N
 def test_step_fused_optimizer_over_cpu_params_gets_scale_and_flag_on_cpu_blocking() -> None:
     optimizer = _FusedSpy(_params(torch.device("cpu")))
     scaler = ShardedGradScaler()
-    with _DeviceCounter() as counter:
+    with DeviceCounter() as counter:
         _fused_cpu_params_step(scaler, optimizer)  # warm-up: constants made once
         counter.copies.clear()
         _fused_cpu_params_step(scaler, optimizer)
@@ -134,7 +90,7 @@ def test_step_fused_optimizer_over_cpu_params_gets_scale_and_flag_on_cpu_blockin
 def test_step_fused_optimizer_on_scale_device_gets_no_copy() -> None:
     optimizer = _FusedSpy(_params(META))
     scaler = ShardedGradScaler()
-    with _DeviceCounter() as counter:
+    with DeviceCounter() as counter:
         for _ in range(2):
             scaler.scale(torch.ones((), device=META))
             scaler.step(optimizer)
@@ -147,7 +103,7 @@ def test_step_fused_optimizer_on_scale_device_gets_no_copy() -> None:
 def test_step_fused_optimizer_over_two_devices_gets_the_scale_device() -> None:
     optimizer = _FusedSpy([*_params(META), *_params(torch.device("cpu"))])
     scaler = ShardedGradScaler()
-    with _DeviceCounter():
+    with DeviceCounter():
         scaler.scale(torch.ones((), device=META))
         scaler.step(optimizer)
     assert optimizer.handed == [(META, META)]
@@ -164,7 +120,7 @@ def _scaled_on_meta(scaler: ShardedGradScaler, optimizer: torch.optim.Optimizer)
 
 def test_get_scale_on_device_reads_once_and_still_warns_at_floor() -> None:
     scaler = ShardedGradScaler(init_scale=1024.0, min_scale=1.0)
-    with _DeviceCounter(1024.0) as counter:
+    with DeviceCounter(1024.0) as counter:
         _scaled_on_meta(scaler, _FusedSpy(_params(META)))
         before = counter.syncs
         assert scaler.get_scale() == 1024.0
@@ -183,7 +139,7 @@ def test_last_step_skipped_on_device_reads_once_after_fused_never_after_plain(
     optimizer_class: type[torch.optim.Optimizer], reads: int
 ) -> None:
     scaler = ShardedGradScaler()
-    with _DeviceCounter() as counter:
+    with DeviceCounter() as counter:
         _scaled_on_meta(scaler, optimizer_class(_params(META)))  # type: ignore[call-arg]
         before = counter.syncs
         assert scaler.last_step_skipped is False
@@ -193,69 +149,21 @@ def test_last_step_skipped_on_device_reads_once_after_fused_never_after_plain(
 # ---------------------------------------------------------------- M2, P7: the stats copy on a GPU
 
 
-class _Stream:
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-
-class _CudaStubs:
-    """Recorders for the parts of ``torch.cuda`` the stats copy uses; the current device is
-    cuda:0, never the state's."""
-
-    def __init__(self, log: list[tuple[str, object]]) -> None:
-        self.log = log
-        self.pinned = 0
-        stubs = self
-
-        class Event:
-            def record(self, stream: _Stream | None = None) -> None:
-                stubs.log.append(("record", None if stream is None else stream.device))
-
-            def synchronize(self) -> None:
-                stubs.log.append(("synchronize", None))
-
-        self.Event = Event
-
-    def current_device(self) -> int:
-        return 0
-
-    def current_stream(self, device: torch.device | None = None) -> _Stream:
-        return _Stream(torch.device("cuda", 0) if device is None else torch.device(device))
-
-    @contextmanager
-    def device(self, device: torch.device) -> Iterator[None]:
-        self.log.append(("device", device))
-        yield
-        self.log.append(("device exit", device))
-
-
 @pytest.fixture
-def cuda_stubs(monkeypatch: pytest.MonkeyPatch) -> _CudaStubs:
-    log: list[tuple[str, object]] = []
-    stubs = _CudaStubs(log)
-    for name in ("Event", "current_device", "current_stream", "device"):
-        monkeypatch.setattr(torch.cuda, name, getattr(stubs, name))
-    empty = torch.empty
-
-    def unpinned_empty(*args: Any, pin_memory: bool | None = None, **kwargs: Any) -> torch.Tensor:
-        if pin_memory:  # a CPU-only torch cannot pin
-            stubs.pinned += 1
-            return empty(*args, **kwargs)
-        return empty(*args, pin_memory=pin_memory, **kwargs)
-
-    monkeypatch.setattr(torch, "empty", unpinned_empty)
-    return stubs
+def cuda_stubs(monkeypatch: pytest.MonkeyPatch) -> CudaStubs:
+    """``torch.cuda`` stubs whose current device is cuda:0, never the state's."""
+    return install_cuda_stubs(monkeypatch)
 
 
 def test_stats_copy_event_on_state_device_stream_hooks_one_update_late(
-    cuda_stubs: _CudaStubs,
+    cuda_stubs: CudaStubs,
 ) -> None:
     scaler = ShardedGradScaler(max_consecutive_skips=100)
     delivered: list[int] = []
     scaler.register_stats_hook(lambda stats: delivered.append(stats.steps))
     scaler.register_stats_hook(lambda stats: cuda_stubs.log.append(("hook", stats.steps)))
     optimizer = _FusedSpy(_params(META))
-    with _DeviceCounter() as counter:
+    with DeviceCounter() as counter:
         counter.log = cuda_stubs.log
         for step in (1, 2, 3):
             counter.value = float(step)  # what this update's copy brings to the host
@@ -295,7 +203,7 @@ def test_accelerate_step_reads_fused_skip_flag_only_when_asked(
     scaler = use_shardscale(accelerator)
     optimizer = accelerator.prepare(optimizer_class(_params(META)))  # type: ignore[call-arg]
     assert isinstance(optimizer, AcceleratedOptimizer)
-    with _DeviceCounter(1.0) as counter:  # every flag read says "skipped"
+    with DeviceCounter(1.0) as counter:  # every flag read says "skipped"
         for _ in range(2):
             scaler.scale(torch.ones((), device=META))
             before = counter.syncs
@@ -339,11 +247,11 @@ def test_harness_nccl_ranks_create_communicator_eagerly(
 
 
 @pytest.fixture
-def settles(monkeypatch: pytest.MonkeyPatch) -> _DeviceCounter:
+def settles(monkeypatch: pytest.MonkeyPatch) -> DeviceCounter:
     """A counter whose log also shows each ``Agreement.settle()`` call."""
     from shardscale._agree import Agreement
 
-    counter = _DeviceCounter()
+    counter = DeviceCounter()
     monkeypatch.setattr(Agreement, "settle", lambda self: counter.log.append(("settle", None)))
     return counter
 
@@ -353,10 +261,10 @@ def _each_host_sync_settled_first(log: list[tuple[str, object]]) -> bool:
     return bool(syncs) and all(log[i - 1][0] == "settle" for i in syncs)
 
 
-def test_step_plain_decision_read_settles_the_collective_first(settles: _DeviceCounter) -> None:
+def test_step_plain_decision_read_settles_the_collective_first(settles: DeviceCounter) -> None:
     for locate_overflow in (False, True):
         scaler = ShardedGradScaler(locate_overflow=locate_overflow)
-        settles.reads = 0
+        settles.reset()
         settles.log.clear()
         with settles:
             scaler.scale(torch.ones((), device=META))
@@ -366,7 +274,7 @@ def test_step_plain_decision_read_settles_the_collective_first(settles: _DeviceC
         assert _each_host_sync_settled_first(settles.log)
 
 
-def test_step_fused_copy_to_cpu_settles_the_collective_first(settles: _DeviceCounter) -> None:
+def test_step_fused_copy_to_cpu_settles_the_collective_first(settles: DeviceCounter) -> None:
     scaler = ShardedGradScaler()
     with settles:
         scaler.scale(torch.ones((), device=META))
@@ -376,7 +284,7 @@ def test_step_fused_copy_to_cpu_settles_the_collective_first(settles: _DeviceCou
 
 
 def test_step_plain_over_cpu_grads_settles_before_copying_the_inverse_scale(
-    settles: _DeviceCounter,
+    settles: DeviceCounter,
 ) -> None:
     """CPU gradients are unscaled by a blocking host copy of the device's inverse scale, which
     waits behind a collective still in flight: bounded by settling first, as reads are."""
@@ -389,7 +297,7 @@ def test_step_plain_over_cpu_grads_settles_before_copying_the_inverse_scale(
 
 
 def test_accelerate_step_was_skipped_settles_the_collective_first(
-    settles: _DeviceCounter,
+    settles: DeviceCounter,
 ) -> None:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
@@ -409,7 +317,7 @@ def test_accelerate_step_was_skipped_settles_the_collective_first(
 
 
 def test_stats_settles_before_waiting_for_the_copy_in_flight(
-    cuda_stubs: _CudaStubs, settles: _DeviceCounter
+    cuda_stubs: CudaStubs, settles: DeviceCounter
 ) -> None:
     scaler = ShardedGradScaler(max_consecutive_skips=100)  # someone listens: copies in flight
     settles.log = cuda_stubs.log
