@@ -60,7 +60,8 @@ else
     echo "missing" >"$OUT/tests.status"
 fi
 
-# 2. host synchronisations: none in fused step + update, with or without clip / unscale_
+# 2. host synchronisations: none in fused step + update, with or without clip / unscale_ (the
+# cases of tests/test_gpu.py::test_cuda_fused_path_makes_no_host_sync, here without pytest)
 say "running the host-synchronisation checks"
 "$PYTHON" - >"$OUT/sync.txt" 2>&1 <<'PY'
 import torch

@@ -73,24 +73,6 @@ def test_cuda_matches_torch_bit_for_bit(options: dict[str, Any]) -> None:
         assert torch.equal(a, b)
 
 
-def test_cuda_fused_step_and_update_make_no_host_sync() -> None:
-    model = _cuda_mlp()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
-    scaler = ShardedGradScaler()
-    for step in range(3):
-        optimizer.zero_grad()
-        scaler.scale(model(torch.randn(4, 16, device="cuda")).pow(2).mean()).backward()
-        if step == 2:
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            scaler.step(optimizer)
-            scaler.update()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    assert not scaler.last_step_skipped
-
-
 def test_cuda_graph_captures_fused_capturable_step_and_update() -> None:
     model = _cuda_mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True, capturable=True)
@@ -252,12 +234,25 @@ def test_nccl_sync_timeout_healthy_run_agrees_and_never_times_out() -> None:
         assert result["slowest_s"] < 5.0  # far below the 300 s bound: nothing waited it out
 
 
-def test_cuda_fused_clip_step_and_update_make_no_host_sync() -> None:
-    """``clip_grad_norm_`` + ``step`` + ``update`` with fused AdamW: the fp64 device norm, the
-    agreed flag and the clip factor stay on the GPU; ``set_sync_debug_mode("error")`` raises on
-    any synchronising call (``.item()``, a blocking copy to the host)."""
+@pytest.mark.parametrize(
+    ("options", "before_step"),
+    [
+        ({"fused": True}, None),
+        ({"fused": True}, "clip"),
+        ({"fused": True}, "unscale"),
+        ({"fused": True, "capturable": True}, "clip"),
+    ],
+    ids=["fused", "fused-clip", "fused-unscale", "fused-capturable-clip"],
+)
+def test_cuda_fused_path_makes_no_host_sync(
+    options: dict[str, Any], before_step: str | None
+) -> None:
+    """Step + update with fused AdamW, after `clip_grad_norm_` or `unscale_` or neither: the
+    agreed flag, the fp64 device norm and the clip factor stay on the GPU;
+    `set_sync_debug_mode("error")` raises on any synchronising call (`.item()`, a blocking copy
+    to the host). The same cases as launch/gpu_check.sh's check, which runs without pytest."""
     model = _cuda_mlp()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, **options)
     scaler = ShardedGradScaler()
     for step in range(3):
         optimizer.zero_grad()
@@ -266,12 +261,15 @@ def test_cuda_fused_clip_step_and_update_make_no_host_sync() -> None:
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
         try:
-            norm = scaler.clip_grad_norm_(model.parameters(), 1.0)
+            if before_step == "clip":
+                norm = scaler.clip_grad_norm_(model.parameters(), 1.0)
+                assert norm.device.type == "cuda"
+            elif before_step == "unscale":
+                scaler.unscale_(optimizer)
             scaler.step(optimizer)
             scaler.update()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert norm.device.type == "cuda"
     assert not scaler.last_step_skipped
 
 
