@@ -14,26 +14,15 @@ A view that cannot be written as in torch refuses the write with an error naming
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NoReturn
 
 import torch
 from torch.amp.grad_scaler import OptState
 
-from shardscale._check import Flags, check_and_unscale_
-from shardscale._iteration import IterationBook, OptimizerRecord
-from shardscale._optimizers import optimizer_params
-from shardscale._walk import GradCache
-
-__all__ = [
-    "GRAD_SCALER_WARNING",
-    "OptimizerStates",
-    "ReadOnlyDict",
-    "check_group",
-    "passes_itself",
-    "unscale_grads",
-]
+from shardscale._check import Flags, Kernels
+from shardscale._grads import GradWalk
+from shardscale._stepping import IterationBook, OptimizerRecord, optimizer_params
 
 GRAD_SCALER_WARNING = (
     "GradScaler is going to stop passing itself as a keyword argument to the passed "
@@ -117,11 +106,8 @@ class OptimizerStates(Mapping[Any, ReadOnlyDict]):
 
 def state_of(record: OptimizerRecord) -> ReadOnlyDict:
     """torch's per-optimizer state for `record`: stage, and `{device: agreed flag}`."""
-    flags = (
-        ReadOnlyDict()
-        if record.found_inf is None
-        else ReadOnlyDict({record.found_inf.device: record.found_inf})
-    )
+    found_inf = None if record.verdict is None else record.verdict.found_inf
+    flags = ReadOnlyDict() if found_inf is None else ReadOnlyDict({found_inf.device: found_inf})
     return ReadOnlyDict(stage=OptState[record.stage.name], found_inf_per_device=flags)
 
 
@@ -151,73 +137,10 @@ def unscale_grads(
         if any(g is not None and g.dtype == torch.float16 for g in grads):
             raise ValueError("Attempting to unscale FP16 gradients.")
     with torch.no_grad():
-        groups = GradCache().walk("compat", params).groups
+        groups, _plain, _holds = GradWalk().groups("compat", params)
         flags: Flags = {found_inf.device: found_inf}
         for device, _dtype in groups:
             if device not in flags:
                 flags[device] = found_inf.to(device=device, copy=True)
-        check_and_unscale_(groups, inv_scale, flags)
+        Kernels().check_(groups, inv_scale, flags)
     return {device: flags[device] for device, _dtype in groups}
-
-
-_PASSES_ITSELF: dict[object, bool] = {}
-
-
-def passes_itself(optimizer: object) -> bool:
-    """Whether torch's scalers would call `optimizer.step(grad_scaler=scaler)`: it declares
-    `_step_supports_amp_scaling` and its `step()` has a `grad_scaler` parameter.
-
-    One attribute read for most optimizers; the signature of a `step` is inspected once and
-    remembered (torch inspects it on every step).
-    """
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):
-        return False
-    step = getattr(optimizer, "step", None)
-    if step is None:
-        return False
-    key = getattr(step, "__func__", step)
-    known = _PASSES_ITSELF.get(key)
-    if known is None:
-        try:
-            known = "grad_scaler" in inspect.signature(step).parameters
-        except (TypeError, ValueError):  # a builtin without a signature
-            known = False
-        _PASSES_ITSELF[key] = known
-    return known
-
-
-def check_group(group: object) -> object:
-    """`process_group` as torch's ShardedGradScaler accepts it; raise otherwise.
-
-    A `torch.distributed.ProcessGroup` (or None) is taken as it is. An object that only quacks
-    like one (`rank()` and `size()`: torch's `DummyProcessGroup`) is taken at size 1, where
-    no collective is issued; at a larger size the scaler could not run its collective on it.
-
-    Raises:
-        TypeError: `group` is neither a ProcessGroup, nor None, nor has `rank()`/`size()`.
-        ValueError: a duck-typed group's `size()` is not 1.
-    """
-    if group is None or isinstance(group, torch.distributed.ProcessGroup):
-        return group
-    rank, size = getattr(group, "rank", None), getattr(group, "size", None)
-    if not (callable(rank) and callable(size)):
-        raise TypeError(
-            "process_group must be a torch.distributed.ProcessGroup, None, or an object with "
-            "rank() and size() (like torch's DummyProcessGroup) of size 1, got "
-            f"{type(group).__name__}"
-        )
-    world_size = size()
-    if world_size != 1:
-        initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
-        hint = (
-            "pass a torch.distributed.ProcessGroup"
-            if initialised
-            else "torch.distributed is not initialised: call init_process_group() and pass a "
-            "torch.distributed.ProcessGroup"
-        )
-        raise ValueError(
-            f"a process_group that is not a torch.distributed.ProcessGroup (here "
-            f"{type(group).__name__}) must have size() == 1, where no collective is needed; "
-            f"{hint}. Got size() = {world_size!r}"
-        )
-    return group

@@ -11,50 +11,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import cast
 
 import torch
 import torch.distributed as dist
 
-from shardscale._compat import check_group
-from shardscale._policy import ScalePolicy
-
-__all__ = ["ScalerConfig", "timeout_option"]
-
-
-def timeout_option(name: str, value: timedelta | float | None) -> timedelta | None:
-    """`value` (a `timedelta`, seconds, or None) as a `timedelta`, checked to be > 0."""
-    if value is None:
-        return None
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        raise TypeError(
-            f"{name} must be a datetime.timedelta, a number of seconds or None, got "
-            f"{type(value).__name__}"
-        )
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"{name} must be a finite time > 0, got {seconds} s")
-    return timedelta(seconds=seconds)
-
-
-def _bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}: {value!r}")
-    return value
-
-
-def _int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    return value
+from shardscale._exchange import check_group, timeout_option
+from shardscale._policy import ScalePolicy, check_bool, check_int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScalerConfig:
-    """Every option of a [`ShardedGradScaler`][shardscale.ShardedGradScaler], validated when built.
+    """Every option of a [`ShardedGradScaler`][shardscale.ShardedGradScaler] (its docstring says
+    what each means), validated when built.
 
     Raises:
         TypeError: an option has the wrong type.
@@ -62,63 +30,41 @@ class ScalerConfig:
     """
 
     device: str | None = None
-    """Device type of the loss (`"cuda"`, `"cpu"`...); None follows the first loss."""
     init_scale: float | None = None
-    """The first step's scale; None: `2.0**16`, or 1.0 when `dynamic=False`."""
     growth_factor: float = 2.0
-    """Multiplies the scale after `growth_interval` clean steps (> 1)."""
     backoff_factor: float = 0.5
-    """Multiplies the scale on an overflow (in (0, 1))."""
     growth_interval: int = 2000
-    """Consecutive clean steps before the scale grows (>= 1)."""
     enabled: bool = True
-    """False makes every method a no-op and `step` a plain `optimizer.step()`."""
     process_group: dist.ProcessGroup | None = None
-    """The ranks that must agree; None: the default (world) group."""
     hysteresis: int = 1
-    """Overflows tolerated before backing off, replenished on growth (Megatron, DeepSpeed)."""
     min_scale: float = 1.0
-    """The floor (> 0): the scale never backs off below it."""
     max_scale: float | None = None
-    """The ceiling for growth; None: no ceiling."""
     dynamic: bool = True
-    """False keeps the scale fixed (the bf16 guard); non-finite steps are still skipped."""
-    sync_timeout: timedelta | float | None = None
-    """The longest wait for the other ranks at a collective (`timedelta` or seconds)."""
+    sync_timeout: timedelta | None = None
     verify_every: int = 0
-    """Compare the scaler state across ranks every N steps (0: never)."""
     max_consecutive_skips: int | None = None
-    """Raise after more consecutive skipped steps than this (None: no limit)."""
     locate_overflow: bool = False
-    """On overflow steps, find which parameters on which rank hold the inf/NaN gradients."""
+    max_retries: int = 3
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalised values are set once, here
         set_(self, "device", _device_type(self.device))
-        _bool("enabled", self.enabled)
-        _bool("dynamic", self.dynamic)
-        _bool("locate_overflow", self.locate_overflow)
+        check_bool("enabled", self.enabled)
+        check_bool("locate_overflow", self.locate_overflow)
         check_group(self.process_group)  # torch's DummyProcessGroup-like groups at size 1 too
         set_(self, "sync_timeout", timeout_option("sync_timeout", self.sync_timeout))
-        if _int("verify_every", self.verify_every) < 0:
+        if check_int("verify_every", self.verify_every) < 0:
             raise ValueError(f"verify_every must be >= 0 (0: never), got {self.verify_every}")
-        if self.max_consecutive_skips is not None:
-            limit = self.max_consecutive_skips
-            if isinstance(limit, bool) or not isinstance(limit, int):
-                raise TypeError(
-                    f"max_consecutive_skips must be an int or None, got {type(limit).__name__}"
-                )
-            if limit < 1:
-                raise ValueError(
-                    f"max_consecutive_skips must be >= 1 (None: no limit), got {limit}"
-                )
-        policy = self.policy()  # checks the policy's own settings
-        policy.initial_state(self.first_scale())  # checks init_scale against them
-
-    @property
-    def timeout(self) -> timedelta | None:
-        """`sync_timeout` as a `timedelta` (normalised at construction)."""
-        return cast(timedelta | None, self.sync_timeout)
+        if check_int("max_retries", self.max_retries) < 0:
+            raise ValueError(f"max_retries must be >= 0 (0: never retry), got {self.max_retries}")
+        limit = self.max_consecutive_skips
+        if isinstance(limit, bool) or not isinstance(limit, (int, type(None))):
+            raise TypeError(
+                f"max_consecutive_skips must be an int or None, got {type(limit).__name__}"
+            )
+        if limit is not None and limit < 1:
+            raise ValueError(f"max_consecutive_skips must be >= 1 (None: no limit), got {limit}")
+        self.policy().initial_state(self.first_scale())  # the policy's settings, init_scale
 
     def policy(self) -> ScalePolicy:
         """The scale policy these options describe."""

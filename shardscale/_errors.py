@@ -7,13 +7,6 @@ get types of their own.
 
 from __future__ import annotations
 
-__all__ = [
-    "ShardScaleDistributedError",
-    "ShardScaleSkipError",
-    "ShardScaleWarning",
-    "no_scale_message",
-]
-
 
 def no_scale_message(funcname: str) -> str:
     """torch's call-order error for a scaler that never scaled a loss, in torch's words (users'

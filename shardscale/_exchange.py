@@ -1,48 +1,147 @@
-"""The bounded exchange: every collective the scaler issues, and how long it may wait for one.
+"""The exchange: the one collective that makes every rank take the same skip/step decision, and
+the few others the scaler runs (gathers for `verify_agreement` and `locate_overflow`), bounded.
 
-Invariant: no collective of the scaler waits unboundedly for a rank that never comes, and none
-makes the host wait where the device alone could (an accelerator backend with a `timeout`).
+Invariant: every rank of the group sees the same flags before `optimizer.step()`.
 
-With a `timeout`, a rank that never arrives (it crashed, hung, or took another code path) makes
-the others raise [`ShardScaleDistributedError`][] within that time instead of waiting out the
-process group's own timeout (torch's defaults: 30 minutes for gloo, 10 for NCCL). The error says
-what happened, decided by the clock and by what the backend raised, not by one backend's
-wording: *late* (the wait ran out, or the backend reports a timeout: gloo's "Timed out", NCCL's
-"Watchdog caught collective operation timeout") or *gone* (the connection broke).
+Each rank writes what it saw into ONE small float32 tensor, its *ballot*, on the group's
+communication device, and the group runs ONE `all_reduce` on it, however many devices, dtypes
+and optimizers hold the gradients:
 
-Where the host must wait anyway (a CPU ballot; gloo, which stages device tensors through the
-host) the wait is bounded there, at the collective. On an accelerator backend (NCCL) waiting
-on the host would turn every fused step into a host synchronisation, so the collective is only
-made to wait on the device's stream; the bound, counted from the enqueue as NCCL counts it, is
-enforced at this exchange's next collective or at `settle()`, which every host read of an
-agreed value calls first.
+```text
+[holds gradients, skip, forward overflow, has a scale, norm share]
+```
+
+* holds gradients: 0 for an empty shard, or a rank that ran no backward;
+* skip: 1 if an inf or NaN is in this rank's gradients;
+* forward overflow: 1 if, besides, a loss this rank scaled in the iteration was inf or NaN (no
+  scale can help that: the step is skipped with the scale held). A non-finite loss that left
+  every gradient finite (one never backpropagated, such as the placeholder torch's pipeline
+  schedules pass their loss function on their first step to infer shapes) is no overflow;
+* has a scale: 0 for a rank that never called `scale()` (a pipeline stage before the last),
+  until the group has confirmed that some rank does;
+* norm share: this rank's part of a global gradient norm (`clip_grad_norm_` only).
+
+The reduction is MAX, or SUM when a finite p-norm travels (its shares add up; the flags then count
+and are clamped to 1). Either way the agreed flags are exactly 0.0 or 1.0: torch's fused
+optimizers skip only when `found_inf == 1.0`, so a summed flag of 2.0 (two ranks overflowed)
+would make them step with inf gradients.
+
+Only a rank that lacks something reads the result on the host (one synchronisation): a rank
+without gradients asks whether anybody had some (nobody: an error on every rank together), a rank
+that never scaled asks whether anybody did. Ranks that hold gradients and a scale never wait for
+the host here. Without an initialised process group, or at world size 1, no collective is issued.
+
+How long a collective may wait for a rank that never arrives: on the CPU and on backends that
+stage through the host (gloo), the host waits at most `timeout` (`sync_timeout`), then raises
+[`ShardScaleDistributedError`][] naming the step and what happened: *late* (the wait ran out, or
+the backend reports a timeout) or *gone* (the connection broke). On NCCL the host does not wait
+at all (the stream does), and the bound is the process group's own timeout
+(`init_process_group(timeout=...)`), which NCCL's watchdog enforces: it aborts the collective and
+frees the GPU, which no wait on the host can (`sync_timeout` warns there, once, and is not
+applied). The async scaler's own group is made with `timeout=sync_timeout`, so its watchdog
+enforces it.
 """
 
 from __future__ import annotations
 
+import math
 import pickle
 import re
-import threading
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from shardscale._errors import ShardScaleDistributedError
+from shardscale._errors import ShardScaleDistributedError, ShardScaleWarning, no_scale_message
+from shardscale._grads import move
 
-__all__ = ["Exchange"]
+_NO_GRADS = (
+    "No inf checks were recorded for this optimizer: none of its parameters has a gradient "
+    "on any of the {world_size} rank(s). Call scaler.scale(loss).backward() before step()."
+)
+_HOLDS, _SKIP, _FORWARD, _SCALED, _NORM = range(5)
+_TIMED_OUT = re.compile(r"timed out|timeout(?!\s*\(ms\))", re.IGNORECASE)
+"""A backend reporting a timeout: gloo's "Timed out waiting", NCCL's "Watchdog caught collective
+operation timeout" (not the "Timeout(ms)=..." NCCL prints in every work's name)."""
+_BROKEN = re.compile(r"connection (reset|closed|refused)|broken pipe", re.IGNORECASE)
 
-_E = TypeVar("_E", bound="Exchange")
+
+@dataclass(frozen=True, slots=True)
+class Ballot:
+    """What this rank puts into the collective (see the module)."""
+
+    tensor: torch.Tensor
+    holds_grads: bool
+    """What the holds slot says, known on the host (a rank without gradients reads the result)."""
+    skip: torch.Tensor
+    """The skip slot (a view): the local check raises it for gradients on the ballot's device,
+    so their flag costs no kernel of its own."""
+    loss_checked: bool = False
+    """Whether a loss's finiteness went into the forward-overflow slot."""
 
 
-def _device_of_type(device_type: str) -> torch.device:
-    if device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(device_type, torch.get_device_module(device_type).current_device())
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What the group agreed on, identical on every rank."""
+
+    flags: torch.Tensor
+    """float32 `[skip, forward overflow]` on the scale's device, each exactly 0.0 or 1.0."""
+    total_norm: torch.Tensor | None = None
+    """The global gradient norm (float32 scalar), when one was exchanged; non-finite on every
+    rank when any rank's gradients overflowed."""
+
+    @property
+    def found_inf(self) -> torch.Tensor:
+        """The skip flag (float32 scalar): what torch's scalers call `found_inf`."""
+        return self.flags[0]
+
+
+def timeout_option(name: str, value: timedelta | float | None) -> timedelta | None:
+    """`value` (a `timedelta`, seconds, or None) as a `timedelta`, checked to be > 0."""
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise TypeError(
+            f"{name} must be a datetime.timedelta, a number of seconds or None, got "
+            f"{type(value).__name__}"
+        )
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{name} must be a finite time > 0, got {seconds} s")
+    return timedelta(seconds=seconds)
+
+
+def check_group(group: object) -> None:
+    """Accept `process_group` as torch's ShardedGradScaler does: a `ProcessGroup`, None, or an
+    object with `rank()` and `size()` (torch's `DummyProcessGroup`) of size 1, where no
+    collective is needed.
+
+    Raises:
+        TypeError, ValueError: anything else; the message says what to pass.
+    """
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return
+    if not (callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None))):
+        raise TypeError(
+            "process_group must be a torch.distributed.ProcessGroup, None, or an object with "
+            "rank() and size() (like torch's DummyProcessGroup) of size 1, got "
+            f"{type(group).__name__}"
+        )
+    if group.size() != 1:  # type: ignore[attr-defined]
+        raise ValueError(
+            f"a process_group that is not a torch.distributed.ProcessGroup (here "
+            f"{type(group).__name__}) must have size() == 1, where no collective is needed "
+            "(is torch.distributed not initialised? initialise it and pass a "
+            f"torch.distributed.ProcessGroup). Got size() = {group.size()!r}"  # type: ignore[attr-defined]
+        )
 
 
 def _bound_device(group: dist.ProcessGroup) -> torch.device | None:
@@ -55,59 +154,20 @@ def _bound_device(group: dist.ProcessGroup) -> torch.device | None:
     return None
 
 
-def _waits_on_host(group: dist.ProcessGroup | None, device: torch.device) -> bool:
-    """Whether waiting for a collective on `device` blocks the host until it is done.
-
-    True on the CPU, and for backends that stage device tensors through the host (gloo, MPI);
-    False for accelerator backends (NCCL and its kind), whose `Work.wait()` only makes the
-    current stream wait. A backend that cannot be asked is taken as host-waiting: the bounded
-    host wait is always correct, only slower.
-    """
-    if device.type == "cpu":
-        return True
+def _backend(group: dist.ProcessGroup | None, device_type: str) -> str | None:
+    """The backend `group` runs `device_type`'s collectives on (None: it cannot be asked)."""
     try:
         backend = str(dist.get_backend(group)).lower()  # "nccl", "cpu:gloo,cuda:nccl", ...
     except (RuntimeError, ValueError, KeyError, TypeError, AttributeError):
-        return True
+        return None
     if ":" in backend:
-        per_type = dict(pair.split(":", 1) for pair in backend.split(","))
-        backend = per_type.get(device.type, backend)
-    return backend in ("gloo", "mpi")
-
-
-_TIMEOUT_TEXT = re.compile(r"timed out|timeout(?!\s*\(ms\))", re.IGNORECASE)
-"""A backend reporting a timeout: gloo's "Timed out waiting", NCCL's "Watchdog caught
-collective operation timeout" (but not the "Timeout(ms)=..." NCCL prints in every work's name)."""
-_BROKEN_TEXT = re.compile(
-    r"connection (reset|closed|refused)|broken pipe|remote process exited|ncclRemoteError",
-    re.IGNORECASE,
-)
-
-
-def _broken_connection(error: BaseException) -> bool:
-    return isinstance(error, dist.DistNetworkError) or bool(_BROKEN_TEXT.search(str(error)))
-
-
-@dataclass(frozen=True, slots=True)
-class _InFlight:
-    """A collective enqueued on an accelerator and not yet known to have completed."""
-
-    work: dist.Work
-    enqueued: float
-    """`time.monotonic()` at enqueue: NCCL counts its timeout from there too."""
-    step: int | None
-    what: str
+        return dict(pair.split(":", 1) for pair in backend.split(",")).get(device_type, backend)
+    return backend
 
 
 def _group_device_types(group: dist.ProcessGroup) -> list[str]:
     """The device types `group` can run collectives on, in its backend's order."""
-    device_types = getattr(group, "_device_types", None)
-    if device_types:
-        return [torch.device(t).type for t in device_types]
-    backend = str(dist.get_backend(group))  # e.g. "gloo", "nccl", "cpu:gloo,cuda:nccl"
-    if ":" in backend:
-        return [pair.split(":")[0] for pair in backend.split(",")]
-    return ["cuda"] if backend == "nccl" else ["cpu", "cuda"]
+    return [torch.device(t).type for t in group._device_types]
 
 
 class Exchange:
@@ -116,41 +176,39 @@ class Exchange:
     Args:
         process_group: the group whose ranks must agree; None means the default (world) group,
             looked up at the first step so a scaler may be built before `init_process_group`.
-        timeout: the longest wait for the other ranks at a collective (None: the group's own).
+        timeout: the longest the host waits for the other ranks at a collective on the CPU or
+            gloo (None: the group's own timeout).
     """
 
     def __init__(
         self, process_group: dist.ProcessGroup | None = None, timeout: timedelta | None = None
     ) -> None:
-        self._requested = process_group
+        self.process_group = process_group
+        """The group given at construction (None: the default group)."""
         self.timeout = timeout
         self._group: dist.ProcessGroup | None = None
         self._world_size: int | None = None
         # Filled only with choices that hold on every thread (not the current-device fallback).
         self._comm_devices: dict[torch.device, torch.device] = {}
         self._accelerator: torch.device | None = None  # the scale's, once a ballot was made there
-        self._in_flight: _InFlight | None = None
-        self._in_flight_lock = threading.Lock()  # the async scaler's two threads both settle
-
-    @property
-    def process_group(self) -> dist.ProcessGroup | None:
-        """The group given at construction (None: the default group)."""
-        return self._requested
+        self._host_waits: dict[torch.device, bool] = {}
+        self._templates: dict[tuple[torch.device, bool, bool, bool], torch.Tensor] = {}
 
     @property
     def world_size(self) -> int:
         """The group's size; 1 when no process group is initialised."""
         if self._world_size is None:
-            if self._requested is not None and not isinstance(self._requested, dist.ProcessGroup):
+            requested = self.process_group
+            if requested is not None and not isinstance(requested, dist.ProcessGroup):
                 return 1  # duck-typed (torch's DummyProcessGroup): size 1, checked by the config
             if not (dist.is_available() and dist.is_initialized()):
-                if self._requested is not None:
+                if requested is not None:
                     raise RuntimeError(
                         "a process_group was given, but torch.distributed is not initialised: "
                         "call torch.distributed.init_process_group() first"
                     )
                 return 1
-            self._group = self._requested if self._requested is not None else dist.group.WORLD
+            self._group = requested if requested is not None else dist.group.WORLD
             self._world_size = dist.get_world_size(self._group)
         return self._world_size
 
@@ -167,9 +225,8 @@ class Exchange:
         comm = self._comm_devices.get(preferred)
         if comm is not None:
             return comm
-        if self.world_size == 1:
+        if self.world_size == 1 or self._group is None:
             return preferred
-        assert self._group is not None  # set by world_size
         device_types = _group_device_types(self._group)
         if preferred.type in device_types:
             comm = preferred
@@ -182,43 +239,129 @@ class Exchange:
                 comm = bound
             elif seen is not None and seen.type in device_types:
                 comm = seen
-            else:  # known on this thread only: not cached
-                return _device_of_type(device_types[0])
+            elif device_types[0] == "cpu":
+                return torch.device("cpu")
+            else:  # this thread's current device: known on this thread only, not cached
+                module = torch.get_device_module(device_types[0])
+                return torch.device(device_types[0], module.current_device())
         self._comm_devices[preferred] = comm
         return comm
 
-    def compare(self, values: torch.Tensor, names: Sequence[str], step: int) -> None:
-        """Check that every rank holds the same `values`, in one all_gather.
+    def ballot(
+        self,
+        device: torch.device,
+        *,
+        holds_grads: bool,
+        has_scale: bool,
+        loss_nonfinite: torch.Tensor | None = None,
+        with_norm: bool = False,
+    ) -> Ballot:
+        """A fresh ballot on the communication device for `device`, in one kernel.
+
+        Its forward-overflow slot starts at 1 where `loss_nonfinite` (some loss of this
+        iteration was inf or NaN: a bool scalar from `scale()`) is True, else at 0; the local
+        check raises
+        the skip slot itself ([`Ballot.skip`][Ballot.skip]). The two templates are made once
+        per device by this exchange, and die with it.
+        """
+        key = (device, holds_grads, has_scale, with_norm)
+        templates = self._templates.get(key)
+        if templates is None:
+            ok = [float(holds_grads), 0.0, 0.0, float(has_scale)] + ([0.0] if with_norm else [])
+            bad = [*ok[:2], 1.0, *ok[3:]]
+            templates = self._templates[key] = torch.tensor(
+                [ok, bad], dtype=torch.float32, device=self.comm_device(device)
+            )
+        if loss_nonfinite is None:
+            votes = templates[0].clone()
+            return Ballot(votes, holds_grads, votes[_SKIP])
+        votes = torch.where(move(loss_nonfinite, templates.device), templates[1], templates[0])
+        return Ballot(votes, holds_grads, votes[_SKIP], loss_checked=True)
+
+    def agree(
+        self,
+        ballot: Ballot,
+        local_flags: Iterable[torch.Tensor],
+        *,
+        device: torch.device,
+        step: int,
+        confirm_scale: str | None = None,
+        norm_type: float | None = None,
+    ) -> Verdict:
+        """Combine this rank's ballot with every other rank's, in one collective.
 
         Args:
-            values: float64, one per name, on any device (the scale's: no host round trip).
-            names: what each value is, for the message.
-            step: the step, for the message.
+            ballot: from [`ballot()`][ballot], its skip slot raised by the local check where the
+                gradients are on its device.
+            local_flags: float32 scalar flags of local checks, on any device (1.0: an element
+                was non-finite): those of other devices than the ballot's, and of checks made
+                before the ballot (`unscale_`); the ballot's own slot may be among them.
+            device: the scale's device, where the verdict's tensors are returned.
+            step: the step being taken, for error messages.
+            confirm_scale: the method being called (`"step"`...) on a rank that never called
+                `scale()`, until the group confirms that some rank did (its ballot says it has
+                no scale); None otherwise.
+            norm_type: the p of the gradient norm whose share travels in the ballot's last
+                slot (`Kernels.local_norms_` put it there; the ballot was made `with_norm`), or
+                None. The share must be non-finite wherever the local check raised the
+                ballot's slot (the norms' check does); flags from other checks (`local_flags`)
+                make it inf here. An inf-norm's shares combine by max, others by sum.
 
-        One device-to-host copy (the gathered rows, read once), nothing else on the host.
+        Raises:
+            RuntimeError: no rank holds any gradient, or (`confirm_scale`) no rank ever called
+                `scale()`: every rank raises together, torch's words.
+            ShardScaleDistributedError: a rank did not arrive within `timeout`, or left.
+        """
+        votes = ballot.tensor
+        slot = votes[_SKIP]
+        # The slot itself, told by being a view of the ballot at its offset (not by data_ptr:
+        # on the meta device, the CPU suite's stand-in for a GPU, every data_ptr is 0).
+        others = False
+        for flag in local_flags:  # one kernel per other flag (devices, earlier checks)
+            if not (flag._base is votes and flag.storage_offset() == slot.storage_offset()):
+                torch.maximum(slot, move(flag, votes.device), out=slot)
+                others = True
+        if ballot.loss_checked:  # a forward overflow: a non-finite loss, gradients to match
+            votes[_FORWARD].mul_(slot)
+        if norm_type is not None and (others or math.isinf(norm_type)):
+            # A flag that is not the norms' own (or a max, which NCCL may take NaN-blind) must
+            # still show in the norm: this share goes in as inf. Otherwise the slot was raised
+            # only where a norm was non-finite, so the share already is.
+            votes[_NORM].masked_fill_(slot > 0, math.inf)
+        summed = norm_type is not None and not math.isinf(norm_type)
+        if self.world_size > 1:
+            op = dist.ReduceOp.SUM if summed else dist.ReduceOp.MAX
+            what = "the overflow flag" + (" and gradient norm" if norm_type is not None else "")
+            self._collective(dist.all_reduce, votes, step, f"{what} (all_reduce)", op=op)
+        if confirm_scale is not None or not ballot.holds_grads:  # the one host read, these only
+            agreed = votes.tolist()
+            if confirm_scale is not None and agreed[_SCALED] == 0.0:
+                raise RuntimeError(no_scale_message(confirm_scale))
+            if agreed[_HOLDS] == 0.0:
+                raise RuntimeError(_NO_GRADS.format(world_size=self.world_size))
+        flags = votes[_SKIP : _FORWARD + 1]
+        if summed and self.world_size > 1:
+            flags = flags.clamp(max=1.0)  # counts of ranks: exactly 0/1 after this
+        if norm_type is None:
+            return Verdict(flags=move(flags, device))
+        total = votes[_NORM]
+        if summed and norm_type != 1.0:
+            total = total.pow(1.0 / norm_type)
+        return Verdict(flags=move(flags, device), total_norm=move(total, device))
+
+    def compare(self, values: torch.Tensor, names: Sequence[str], step: int) -> None:
+        """Check that every rank holds the same `values` (float64, one per name), in one
+        all_gather and one host transfer.
 
         Raises:
             ShardScaleDistributedError: they differ (the message gives every rank's value of
                 each field that differs), or a rank did not arrive or left.
         """
-        if values.shape != (len(names),):
-            raise ValueError(
-                f"compare needs one value per name: {len(names)} names, got values of shape "
-                f"{tuple(values.shape)}"
-            )
-        comm = self.comm_device(values.device)
-        mine = values.to(device=comm, dtype=torch.float64)
-        gathered = torch.empty((self.world_size, len(names)), dtype=torch.float64, device=comm)
-        self.collective(
-            lambda async_op: dist.all_gather(
-                list(gathered.unbind()), mine, group=self._group, async_op=async_op
-            ),
+        rows = self._all_gather(
+            values.to(device=self.comm_device(values.device), dtype=torch.float64),
             step,
             "their scaler states (verify_agreement's all_gather)",
-            device=comm,
         )
-        self.settle()
-        rows = gathered.cpu()  # the one host transfer
         differing = [i for i in range(len(names)) if not torch.all(rows[:, i] == rows[0, i])]
         if differing:
             details = "; ".join(
@@ -233,50 +376,36 @@ class Exchange:
     def gather_objects(self, obj: object, step: int | None, what: str) -> list[object]:
         """Every rank's `obj` (picklable), in rank order: `all_gather_object`, bounded.
 
-        Two collectives (the sizes, then the padded bytes), each bounded by `timeout`, on
-        the group's communication device; two host transfers (the sizes, then every rank's
-        bytes at once), whatever the world size.
+        Two collectives (the sizes, then the padded bytes), each bounded like the agreement, on
+        the group's communication device; two host transfers, whatever the world size.
         """
         if self.world_size == 1:
             return [obj]
         comm = self.comm_device(torch.device("cpu"))
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(comm)
         size = torch.full((1,), data.numel(), dtype=torch.int64, device=comm)
-        sizes = torch.empty((self.world_size, 1), dtype=torch.int64, device=comm)
-        self.collective(
-            lambda async_op: dist.all_gather(
-                list(sizes.unbind()), size, group=self._group, async_op=async_op
-            ),
-            step,
-            f"the sizes of {what} (all_gather)",
-            device=comm,
-        )
-        self.settle()
-        lengths = [int(n) for n in sizes.reshape(-1).tolist()]  # host transfer 1
-        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=comm)
+        lengths = self._all_gather(size, step, f"the sizes of {what}").reshape(-1).tolist()
+        padded = torch.zeros(int(max(lengths)), dtype=torch.uint8, device=comm)
         padded[: data.numel()] = data
-        gathered = torch.empty((self.world_size, len(padded)), dtype=torch.uint8, device=comm)
-        self.collective(
-            lambda async_op: dist.all_gather(
-                list(gathered.unbind()), padded, group=self._group, async_op=async_op
-            ),
-            step,
-            f"{what} (all_gather)",
-            device=comm,
-        )
-        self.settle()
-        rows = gathered.cpu()  # host transfer 2
-        return [
-            pickle.loads(rows[r, :length].numpy().tobytes()) for r, length in enumerate(lengths)
-        ]
+        rows = self._all_gather(padded, step, what)
+        return [pickle.loads(rows[r, : int(n)].numpy().tobytes()) for r, n in enumerate(lengths)]
 
-    def dedicated(self: _E, backend: str | None = None) -> _E:
-        """An exchange like this one (of this class) on a process group of its own, over the
-        same ranks.
+    def _all_gather(self, mine: torch.Tensor, step: int | None, what: str) -> torch.Tensor:
+        """Every rank's `mine` (1-D, one size everywhere), as the rows of one host tensor."""
+        gathered = torch.empty(
+            (self.world_size, mine.numel()), dtype=mine.dtype, device=mine.device
+        )
+        rows = list(gathered.unbind())
+        self._collective(dist.all_gather, rows, step, f"{what} (all_gather)", mine.reshape(-1))
+        return gathered.cpu()  # the one host transfer
+
+    def dedicated(self, backend: str | None = None) -> dist.ProcessGroup | None:
+        """A process group of its own over this group's ranks, bounded by `timeout` (None at
+        world size 1, where no collective runs).
 
         For collectives issued from another thread (the async scaler's optimizer thread): a
         group's collectives must come in the same order on every rank, and that thread's would
-        race with the model's own.
+        race with the model's. Its NCCL watchdog enforces `timeout` (torch's default otherwise).
 
         Made by the group's members alone (`use_local_synchronization`: a subgroup's scaler
         needs no rank outside it), except where that hangs: when the default group is bound to
@@ -285,15 +414,11 @@ class Exchange:
         the whole world's group is made by every rank (each builds its scaler), and a proper
         subgroup needs `backend="gloo"` (a gloo group is never split from NCCL's).
 
-        Args:
-            backend: the new group's backend; None: this group's.
-
         Raises:
             ValueError: a proper subgroup, a bound device, and a backend other than gloo.
         """
-        if self.world_size == 1:
-            return type(self)(self._requested, self.timeout)
-        assert self._group is not None  # set by world_size
+        if self.world_size == 1 or self._group is None:
+            return None
         ranks = dist.get_process_group_ranks(self._group)
         if backend is None:
             try:
@@ -301,120 +426,73 @@ class Exchange:
             except (RuntimeError, ValueError, KeyError, TypeError, AttributeError):
                 backend = None  # the default group's, as new_group takes it
         bound = _bound_device(self._group)
-        if bound is None or (backend is not None and backend.lower() == "gloo"):
-            own = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
-        elif len(ranks) == dist.get_world_size():
-            own = dist.new_group(ranks, backend=backend)  # every rank is a member and calls it
-        else:
-            raise ValueError(
-                f"the async scaler's own process group for ranks {ranks} cannot be made by "
-                f"those ranks alone: the default group is bound to {bound} "
-                "(init_process_group(device_id=...)), so a new NCCL group is split from the "
-                "default communicator, which every rank must join, and the others never would "
-                'have. Pass flag_backend="gloo" (a small gloo group of these ranks for the '
-                "overflow flag), or give the scaler the whole world's group"
+        local = bound is None or (backend is not None and backend.lower() == "gloo")
+        if local or len(ranks) == dist.get_world_size():  # else every rank is a member
+            group = dist.new_group(
+                ranks, backend=backend, timeout=self.timeout, use_local_synchronization=local
             )
-        return type(self)(own, self.timeout)
+            return cast(dist.ProcessGroup, group)
+        raise ValueError(
+            f"the async scaler's own process group for ranks {ranks} cannot be made by "
+            f"those ranks alone: the default group is bound to {bound} "
+            "(init_process_group(device_id=...)), so a new NCCL group is split from the "
+            "default communicator, which every rank must join, and the others never would "
+            'have. Pass flag_backend="gloo" (a small gloo group of these ranks for the '
+            "overflow flag), or give the scaler the whole world's group"
+        )
 
-    def collective(
+    def _collective(
         self,
-        start: Callable[[bool], dist.Work | None],
+        collective: Callable[..., dist.Work | None],
+        tensor: torch.Tensor | list[torch.Tensor],
         step: int | None,
         what: str,
-        *,
-        device: torch.device | None = None,
+        *args: Any,
+        **kwargs: Any,
     ) -> None:
-        """Run `start(async_op)`, the one place the scaler issues and bounds a collective.
+        """Run `collective(tensor, *args, ...)` on the group: the one place the scaler issues
+        and bounds a collective.
 
-        Args:
-            start: issues the collective (asynchronously when told so) and returns its work.
-            step: the step, for messages.
-            what: what is exchanged, for messages.
-            device: where its tensors are. On an accelerator whose backend waits on the device
-                (NCCL), with a `timeout`: the stream waits, the host does not; the collective
-                stays in flight, bounded at the next collective or `settle()`. Elsewhere (CPU,
-                gloo; or None): the host waits here, at most `timeout`.
+        Where the backend waits on the host (the CPU, gloo), the host waits here at most
+        `timeout`. On NCCL nothing waits on the host; the group's own timeout bounds it.
 
         Raises:
-            ShardScaleDistributedError: a rank did not arrive in time (this collective, or the
-                one still in flight before it), or left the group (its connection broke) during
-                it; the message names the step of the collective it happened in.
+            ShardScaleDistributedError: a rank did not arrive in time, or left (its connection
+                broke); the message names the step.
         """
-        self.settle()
-        on_device = (
-            self.timeout is not None
-            and device is not None
-            and not _waits_on_host(self._group, device)
-        )
+        device = (tensor[0] if isinstance(tensor, list) else tensor).device
+        waits = self._host_waits.get(device)
+        if waits is None:
+            backend = _backend(self._group, device.type)
+            waits = device.type == "cpu" or backend in (None, "gloo", "mpi")
+            self._host_waits[device] = waits
+            if not waits and self.timeout is not None:
+                warnings.warn(
+                    f"sync_timeout={self.timeout.total_seconds():g} s is not applied to the "
+                    f"{backend} collectives on {device}: there the process group's own timeout "
+                    "(init_process_group(timeout=...)) bounds them, enforced by its watchdog, "
+                    "which frees the GPU (docs/reliability.md)",
+                    ShardScaleWarning,
+                    stacklevel=2,
+                )
+        bounded = waits and self.timeout is not None
         enqueued = time.monotonic()
         try:
-            work = start(self.timeout is not None)
-            if work is None:
-                return
-            if on_device:
-                work.wait()  # the current stream waits for it; the host goes on
-                with self._in_flight_lock:
-                    self._in_flight = _InFlight(work, enqueued, step, what)
-                return
-            completed = self.timeout is None or work.wait(self.timeout)
+            work = collective(tensor, *args, group=self._group, async_op=bounded, **kwargs)
+            completed = work is None or not bounded or work.wait(cast(timedelta, self.timeout))
         except RuntimeError as error:
-            raise self._failure(error, enqueued, step, what) from error
+            # Late or gone, by the clock and by what the backend says, not by one wording.
+            waited = time.monotonic() - enqueued
+            timed_out = self.timeout is not None and waited >= self.timeout.total_seconds()
+            broken = isinstance(error, dist.DistNetworkError) or _BROKEN.search(str(error))
+            if not broken and (timed_out or _TIMED_OUT.search(str(error))):
+                raise self._late(step, what) from error
+            raise ShardScaleDistributedError(
+                f"{_at(step)}exchanging {what} with the other {self.world_size - 1} "
+                f"rank(s) failed: a rank left the process group ({error})"
+            ) from error
         if not completed:
             raise self._late(step, what)
-
-    def settle(self) -> None:
-        """Bound, on the host, the collective this exchange left in flight on an accelerator.
-
-        Call it before any host read of an agreed value (a decision read, `stats`,
-        `state_dict`...): it waits until the collective completes, at most until `timeout`
-        after its enqueue, so that the read that follows cannot hang on a rank that never
-        came. Free when nothing is in flight (always so on the CPU, on gloo, and without a
-        `timeout`).
-
-        Raises:
-            ShardScaleDistributedError: that collective's ranks did not all arrive within the
-                timeout, or one left; the message names its step.
-        """
-        with self._in_flight_lock:
-            pending, self._in_flight = self._in_flight, None
-        if pending is None:
-            return
-        assert self.timeout is not None  # only then is a collective left in flight
-        deadline = pending.enqueued + self.timeout.total_seconds()
-        pause = 5e-5
-        while not pending.work.is_completed():
-            now = time.monotonic()
-            if now >= deadline:
-                raise self._late(pending.step, pending.what)
-            time.sleep(min(pause, deadline - now))
-            pause = min(2 * pause, 1e-3)  # NCCL's own host wait polls every 1 ms
-        try:
-            pending.work.wait()  # completed: raises what the backend recorded, if anything
-        except RuntimeError as error:
-            raise self._failure(error, pending.enqueued, pending.step, pending.what) from error
-
-    def read_flag(self, flag: torch.Tensor) -> bool:
-        """An agreed flag's value on the host: the one way the scaler reads one.
-
-        Settles the collective in flight first (`settle()`), so the read, a synchronisation on
-        an accelerator, is bounded by `timeout` rather than by the backend's own.
-        """
-        self.settle()
-        return bool(flag.item())
-
-    def _failure(
-        self, error: RuntimeError, enqueued: float, step: int | None, what: str
-    ) -> ShardScaleDistributedError:
-        """What `error` means: late (it reports a timeout, or came when the time ran out) or
-        a rank gone (the connection broke, or anything else before the time ran out)."""
-        waited = time.monotonic() - enqueued
-        timed_out = self.timeout is not None and waited >= self.timeout.total_seconds()
-        if not _broken_connection(error) and (timed_out or _TIMEOUT_TEXT.search(str(error))):
-            return self._late(step, what)
-        return ShardScaleDistributedError(
-            f"{_at(step)}exchanging {what} with the other {self.world_size - 1} "
-            f"rank(s) failed: a rank left the process group ({error})"
-        )
 
     def _late(self, step: int | None, what: str) -> ShardScaleDistributedError:
         waited = (

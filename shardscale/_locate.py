@@ -5,8 +5,9 @@ A sharded model hides its parameters behind wrappers: DDP's `module.`, FSDP1's
 parameters, each rank a slice of it), activation checkpointing's `_checkpoint_wrapped_module.`,
 `torch.compile`'s `_orig_mod.`, FSDP2's DTensors. Each rank counts the infs and NaNs in the
 gradient elements it holds, per original parameter (an FSDP1 flat shard is cut back into the
-original parameters by the offsets FSDP records), and the agreement module gathers the records,
-so every rank gets the same list (within the scaler's `sync_timeout`).
+original parameters by the offsets FSDP records), and the exchange gathers the records, so
+every rank gets the same list (within the scaler's `sync_timeout`). A step whose loss itself was
+non-finite (a forward overflow) adds a record named `<loss>` for each rank whose loss was.
 
 Locating costs host reads and a collective, so the scaler runs it only on steps every rank
 already agreed overflowed (`locate_overflow=True`). Knowing that a step overflowed is itself one
@@ -16,6 +17,7 @@ one synchronisation per step after a fused step on an accelerator).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,11 +27,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardscale._agree import Agreement
-from shardscale._config import timeout_option
+from shardscale._exchange import Exchange, timeout_option
 from shardscale._grads import original_slices
 
-__all__ = ["NonFiniteGrad", "find_nonfinite_grads", "locate", "optimizer_named_params"]
+logger = logging.getLogger("shardscale")
+"""The library's logger: INFO per skipped step (rate-limited), WARNING for located overflows."""
+
+LOSS = "<loss>"
+"""The name of a located non-finite loss (a forward overflow), not a parameter's."""
 
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 _DDP_PREFIX = "module."
@@ -37,7 +42,8 @@ _DDP_PREFIX = "module."
 
 @dataclass(frozen=True, slots=True)
 class NonFiniteGrad:
-    """Non-finite gradient elements of one parameter, as held by one rank."""
+    """Non-finite gradient elements of one parameter (or of the loss: name `"<loss>"`), as held
+    by one rank."""
 
     rank: int
     """The global rank holding them."""
@@ -92,13 +98,19 @@ def optimizer_named_params(optimizer: torch.optim.Optimizer) -> Iterator[tuple[s
 
 
 def locate(
-    named_params: Iterable[tuple[str, torch.Tensor]], agreement: Agreement, step: int | None
+    named_params: Iterable[tuple[str, torch.Tensor]],
+    exchange: Exchange,
+    step: int | None,
+    losses: Iterable[torch.Tensor] = (),
 ) -> list[NonFiniteGrad]:
-    """Count non-finite local gradient elements per original parameter; gather over the group.
+    """Count non-finite local gradient elements per original parameter (and in `losses`, as
+    one `<loss>` record); gather over the group.
 
-    Returns the same list on every rank: by rank, then in parameter order.
+    Returns the same list on every rank: by rank, then in parameter order, the loss first.
     """
-    pieces = [
+    losses = list(losses)
+    pieces = [(LOSS, torch.cat([loss.reshape(-1) for loss in losses]))] if losses else []
+    pieces += [
         (clean_name(piece), values)
         for name, param in named_params
         for piece, values in original_slices(name, param)
@@ -107,16 +119,13 @@ def locate(
     mine: list[NonFiniteGrad] = []
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if counted:
-        # The stream waits for the agreement's collective: a host read now waits for it too,
-        # so bound that wait first (a late rank raises here, naming the step).
-        agreement.settle()
         counts = _nonfinite_counts([values for _, values in counted])
         mine = [
             NonFiniteGrad(rank=rank, name=name, num_inf=int(infs), num_nan=int(nans))
             for (name, _), (infs, nans) in zip(counted, counts, strict=True)
             if infs or nans
         ]
-    gathered = agreement.gather_objects(mine, step, "their non-finite gradient records")
+    gathered = exchange.gather_objects(mine, step, "their non-finite gradient records")
     return [record for records in gathered for record in cast(list[NonFiniteGrad], records)]
 
 
@@ -165,5 +174,24 @@ def find_nonfinite_grads(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    agreement = Agreement(process_group, timeout_option("timeout", timeout))
-    return locate(_unwrapped(module).named_parameters(), agreement, None)
+    exchange = Exchange(process_group, timeout_option("timeout", timeout))
+    return locate(_unwrapped(module).named_parameters(), exchange, None)
+
+
+def log_located(step: int, located: list[NonFiniteGrad], forward: bool) -> None:
+    """Log where an overflow step's non-finite values were (WARNING: a real anomaly)."""
+    if forward:
+        ranks = sorted({record.rank for record in located if record.name == LOSS})
+        logger.warning(
+            "step %d skipped: the loss itself was non-finite on rank(s) %s (a forward overflow: "
+            "loss scaling cannot fix it, so the scale is held); non-finite at: %s",
+            step,
+            ranks,
+            "; ".join(map(str, located)),
+        )
+        return
+    logger.warning(
+        "step %d overflowed; non-finite gradients at: %s",
+        step,
+        "; ".join(map(str, located)) or "(none: already cleared)",
+    )

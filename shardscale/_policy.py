@@ -3,7 +3,7 @@
 The policy needs no process group: it maps (state, found_inf) to the next state, once as plain
 Python ([`ScalePolicy.next()`][ScalePolicy.next], the definition, used as the reference in tests)
 and once as device-side tensor maths ([`ScalePolicy.update_()`][ScalePolicy.update_], used by the
-scaler: no host sync, no collective). Because every rank feeds it the same agreed `found_inf`, every
+scaler: no host sync, no collective). Because every rank feeds it the same agreed flags, every
 rank computes the same next scale.
 
 The algorithm, per `update()` (DeepSpeed's, the same as Megatron's up to how the hysteresis
@@ -11,7 +11,9 @@ counter is kept; it reduces to torch's when `hysteresis == 1` and the scale stay
 `[min_scale, max_scale]`):
 
 ```python
-if found_inf:
+if forward_overflow:                              # the loss itself was inf/NaN on some rank:
+    pass                                          # no scale fixes that, so nothing moves
+elif found_inf:
     growth_tracker = 0
     if hysteresis_tracker > 1:                    # an overflow still tolerated
         hysteresis_tracker -= 1
@@ -46,23 +48,32 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ScalePolicy", "ScaleState"]
-
 
 def _f32(value: float) -> float:
     """Round a Python float to float32, as the device's scale tensor does."""
     return array("f", [value])[0]
 
 
-def _require_real(name: str, value: object) -> float:
+def check_real(name: str, value: object) -> float:
+    """`value` as a float; TypeError (the rule, then the value) unless it is a real number."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}: {value!r}")
     return float(value)
 
 
-def _require_int(name: str, value: object) -> int:
+def check_int(name: str, value: object, minimum: int | None = None) -> int:
+    """`value` itself; TypeError unless it is an int (not a bool), ValueError below `minimum`."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_bool(name: str, value: object) -> bool:
+    """`value` itself; TypeError unless it is a bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}: {value!r}")
     return value
 
 
@@ -103,24 +114,17 @@ class ScalePolicy:
     """False: the scale never changes (the bf16 guard); non-finite steps are still skipped."""
 
     def __post_init__(self) -> None:
-        growth_factor = _require_real("growth_factor", self.growth_factor)
-        backoff_factor = _require_real("backoff_factor", self.backoff_factor)
-        growth_interval = _require_int("growth_interval", self.growth_interval)
-        hysteresis = _require_int("hysteresis", self.hysteresis)
-        min_scale = _require_real("min_scale", self.min_scale)
-        max_scale = _require_real("max_scale", self.max_scale)
-        if not isinstance(self.dynamic, bool):
-            raise TypeError(
-                f"dynamic must be a bool, got {type(self.dynamic).__name__}: {self.dynamic!r}"
-            )
+        growth_factor = check_real("growth_factor", self.growth_factor)
+        backoff_factor = check_real("backoff_factor", self.backoff_factor)
+        check_int("growth_interval", self.growth_interval, minimum=1)
+        check_int("hysteresis", self.hysteresis, minimum=1)
+        min_scale = check_real("min_scale", self.min_scale)
+        max_scale = check_real("max_scale", self.max_scale)
+        check_bool("dynamic", self.dynamic)
         if not (math.isfinite(growth_factor) and growth_factor > 1.0):
             raise ValueError(f"growth_factor must be a finite number > 1.0, got {growth_factor}")
         if not 0.0 < backoff_factor < 1.0:
             raise ValueError(f"backoff_factor must be in (0.0, 1.0), got {backoff_factor}")
-        if growth_interval < 1:
-            raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
-        if hysteresis < 1:
-            raise ValueError(f"hysteresis must be >= 1, got {hysteresis}")
         if not (math.isfinite(min_scale) and _f32(min_scale) > 0.0):
             raise ValueError(
                 f"min_scale must be a finite number > 0 (representable in float32), got {min_scale}"
@@ -184,13 +188,17 @@ class ScalePolicy:
             TypeError, ValueError: `init_scale` is not a finite number in
                 `[min_scale, max_scale]`.
         """
-        scale = _require_real("init_scale", init_scale)
+        scale = check_real("init_scale", init_scale)
         self.check_scale("init_scale", scale)
         return ScaleState(scale=_f32(scale), growth_tracker=0, hysteresis_tracker=self.hysteresis)
 
-    def next(self, state: ScaleState, found_inf: bool) -> ScaleState:
-        """Return the state after one step; the definition of the policy (see the module)."""
-        if not self.dynamic:
+    def next(self, state: ScaleState, found_inf: bool, forward: bool = False) -> ScaleState:
+        """Return the state after one step; the definition of the policy (see the module).
+
+        `forward`: the loss itself was non-finite on some rank (a forward overflow), so the
+        step was skipped and nothing moves, whatever `found_inf` says.
+        """
+        if not self.dynamic or forward:
             return state
         scale, growth, hysteresis = state.scale, state.growth_tracker, state.hysteresis_tracker
         if found_inf:
@@ -215,6 +223,7 @@ class ScalePolicy:
         growth_tracker: torch.Tensor,
         hysteresis_tracker: torch.Tensor,
         found_inf: torch.Tensor,
+        forward: torch.Tensor | None = None,
     ) -> None:
         """Apply [`next()`][next] in place to the device tensors, without a host sync.
 
@@ -222,29 +231,46 @@ class ScalePolicy:
             scale: float32 scalar tensor.
             growth_tracker: int32 scalar tensor on the same device.
             hysteresis_tracker: int32 scalar tensor on the same device.
-            found_inf: scalar tensor, > 0 when the step overflowed on any rank.
+            found_inf: float32 scalar, 1.0 when the gradients overflowed on some rank and no
+                rank's loss was non-finite (the caller takes the forward overflows out).
+            forward: float32 scalar, 1.0 on a forward overflow; None where the caller knows
+                there was none. Two kernels hold the state then: torch's kernel counts a
+                clean step (`found_inf` is 0), so the growth tracker is first set back by
+                one, and the scale cannot grow.
         """
         if not self.dynamic:
             return
+        if forward is not None:
+            growth_tracker.sub_(forward.to(torch.int32))
         if self.hysteresis == 1:
             # The common case in two kernels: torch's own update, then the floor and ceiling.
             self._torch_update_(scale, growth_tracker, found_inf)
             return
-        # Hysteresis on top of torch's kernel, in 13 kernels: the kernel backs off or grows;
-        # an overflow still tolerated keeps the old scale (the kernel already zeroed the growth
-        # tracker, as the policy does); a growth (the tracker wrapped to 0 on a clean step)
-        # replenishes the allowance.
+        # Hysteresis on top of torch's kernel: the kernel backs off or grows; an overflow still
+        # tolerated keeps the old scale (the kernel already zeroed the growth tracker, as the
+        # policy does); a growth (the tracker wrapped to 0 on a clean step) replenishes the
+        # allowance, and a forward overflow (no step at all) does not.
         tolerated = (found_inf > 0) & (hysteresis_tracker > 1)
         kept = scale.clone()
         self._torch_update_(scale, growth_tracker, found_inf)
         torch.where(tolerated, kept, scale, out=scale)
         grew = (growth_tracker == 0) & (found_inf == 0)
+        if forward is not None:
+            grew &= forward == 0
         torch.where(
             tolerated,
             hysteresis_tracker - 1,
             torch.where(grew, self.hysteresis, hysteresis_tracker),
             out=hysteresis_tracker,
         )
+
+    def backoff_(self, scale: torch.Tensor, growth_tracker: torch.Tensor) -> None:
+        """Back the scale off once, now, whatever the hysteresis allows (a retried step's
+        gradients overflowed: the same scale would overflow again): floor held, growth
+        tracker zeroed. No-op with `dynamic=False`."""
+        if self.dynamic:
+            one = torch.ones((), dtype=torch.float32, device=scale.device)
+            self._torch_update_(scale, growth_tracker, one)
 
     def _torch_update_(
         self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor

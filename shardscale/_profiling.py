@@ -14,8 +14,6 @@ from contextlib import contextmanager
 
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["count_collectives"]
-
 _NOT_COLLECTIVES = frozenset(
     {"_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd", "c10d::wait"}
 )

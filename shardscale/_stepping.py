@@ -1,346 +1,498 @@
-"""An iteration's checks, its one agreement, and its optimizer steps: the work of one step.
+"""One iteration, and the work of one step: checks, the one agreement, the optimizer steps.
 
 Invariant: every optimizer of an iteration steps or skips on every rank alike, after ONE
 collective per `step()`/`clip_grad_norm_()` call however many optimizers, devices and dtypes
 hold the gradients; `unscale_()` adds none after the first step (its local check waits for that
-collective; on the first step, and on the async scaler, it agrees at once).
+collective; on a scaler's first step it agrees at once).
 
-The [`Stepper`][] does the work for a scaler and an [`IterationBook`][]
-(which optimizer is where in the iteration); the scaler owns the scale and the state. It also
-carries what a rank learns across iterations: its gradient walks (cached while the gradients stay
-the same tensors), whether it is a pipeline stage that computes no loss, and where the last
-overflow was.
+An iteration runs from one `update()` to the next: scale, backward, then per optimizer at most
+one `unscale_` (before its `step`) and one `step`. Its [`IterationBook`][] enforces those rules,
+raising torch's own errors in torch's words (users' `match=` strings keep working), and
+remembers what `clip_grad_norm_` already unscaled and agreed, which local checks of `unscale_`
+still wait for the agreement, and whether every loss `scale()` saw was finite. The
+[`Stepper`][] does the work for a scaler, on a book it is handed; it carries what a rank learns
+across iterations: its gradient walks, its kernels' constants, whether it has agreed before,
+and where the last overflow was.
+
+A step may be one optimizer, a list of them, or a container (torchtitan's `OptimizersContainer`:
+an `Optimizer` holding its parts in `optimizers`; Megatron's `ChainedOptimizer`:
+`chained_optimizers`): every *leaf* optimizer underneath is checked in the one collective, fused
+ones get the scale and the agreed flag, and each target's own `step()` is called once.
 """
 
 from __future__ import annotations
 
+import operator
 import warnings
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from itertools import chain
+from typing import Any, TypeAlias, cast
 
 import torch
 
-from shardscale._agree import Agreement, Verdict
-from shardscale._check import check_and_unscale_, combined, inverse, multiply_, ones
-from shardscale._clip import apply_, by_device_dtype, local_norms, norm_flags_exact
-from shardscale._device_state import ScaleHome
+from shardscale._check import Kernels, exact_norm_check
 from shardscale._errors import ShardScaleWarning
-from shardscale._fused import step_on_device
-from shardscale._iteration import Clipped, IterationBook, OptimizerRecord, Stage
-from shardscale._locate import NonFiniteGrad, locate, optimizer_named_params
-from shardscale._optimizers import optimizer_params, steppables, takes_scale
-from shardscale._report import log_located
-from shardscale._walk import GradCache, GradGroups, GradWalk
+from shardscale._exchange import Exchange, Verdict
+from shardscale._grads import GradGroups, GradWalk, NormGroups, move
+from shardscale._locate import NonFiniteGrad, locate, log_located, optimizer_named_params
+from shardscale._state import ScaleHome
 
-__all__ = ["Stepper"]
+OptimizerTarget: TypeAlias = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
+"""What `unscale_`/`step` accept: an optimizer (or a container of several), or a list."""
+Decision: TypeAlias = "bool | torch.Tensor"
+"""A step's decision: whether it skipped, as read on the host, or the agreed device flags."""
 
-_CPU = torch.device("cpu")
+_CONTAINER_ATTRIBUTES = ("optimizers", "chained_optimizers")
+_OPTIMIZER = operator.attrgetter("optimizer")
+_LEAVES = operator.itemgetter(1)
+_DEVICE = operator.attrgetter("device")
+
+
+class Stage(Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+@dataclass(slots=True)
+class OptimizerRecord:
+    """Where one optimizer is in the iteration, and what the group agreed for it."""
+
+    optimizer: torch.optim.Optimizer
+    stage: Stage = Stage.READY
+    verdict: Verdict | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Clipped:
+    """What `clip_grad_norm_` unscaled and agreed on in this iteration, for steps to reuse."""
+
+    param_ids: frozenset[int]
+    verdict: Verdict
+
+
+@dataclass(frozen=True, slots=True)
+class Clip:
+    """What `clip_grad_norm_` asks of an agreement."""
+
+    params: list[torch.Tensor]
+    max_norm: float
+    norm_type: float
+    replicas: int
+    """How many ranks hold the same plain (non-DTensor) gradients (`replica_group`)."""
+    scaled: bool = True
+    """Whether the gradients still carry the scale (False: `unscale_()` divided it out)."""
+
+
+@dataclass(slots=True)
+class PendingCheck:
+    """Gradients `unscale_()` checked and unscaled locally, whose flags await the agreement
+    (the next `step`, `clip_grad_norm_` or `update`), so `unscale_` + clip + step still cost
+    one collective."""
+
+    records: list[OptimizerRecord] = field(default_factory=list)
+    flags: list[torch.Tensor] = field(default_factory=list)
+    holds: bool = False
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """Every parameter of every param group of `optimizer`, in order."""
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def takes_scale(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` reads `grad_scale`/`found_inf` itself (fused, capturable
+    with amp support): it unscales and skips on the device, with no host synchronisation."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def _is_optimizer(value: object) -> bool:
+    return isinstance(value, torch.optim.Optimizer) or (
+        hasattr(value, "param_groups") and callable(getattr(value, "step", None))
+    )
+
+
+def _leaves_of(optimizer: object) -> Iterator[torch.optim.Optimizer]:
+    for attribute in _CONTAINER_ATTRIBUTES:
+        inner = getattr(optimizer, attribute, None)
+        if isinstance(inner, (list, tuple)) and inner and all(map(_is_optimizer, inner)):
+            for item in inner:
+                yield from _leaves_of(item)
+            return
+    yield optimizer  # type: ignore[misc]
+
+
+def steppables(target: object) -> list[tuple[Any, tuple[torch.optim.Optimizer, ...]]]:
+    """Resolve `target` into what to step, each with the leaf optimizers under it.
+
+    Raises:
+        TypeError: `target` is not an optimizer, a container of them, or a list of those.
+        ValueError: the list is empty, or names one optimizer twice.
+    """
+    items = list(target) if isinstance(target, (list, tuple)) else [target]
+    if not items:
+        raise ValueError("the list of optimizers must not be empty, got []")
+    resolved = []
+    seen: set[int] = set()
+    for item in items:
+        if not isinstance(item, torch.optim.Optimizer) and not _is_optimizer(item):
+            raise TypeError(
+                "expected a torch.optim.Optimizer (or a container of optimizers, or a list of "
+                f"them), got {type(item).__name__}"
+            )
+        item_leaves = tuple(_leaves_of(item))
+        for leaf in item_leaves:
+            if id(leaf) in seen:
+                raise ValueError(
+                    f"the optimizer {type(leaf).__name__} at {id(leaf):#x} appears twice in the "
+                    "optimizers given: each must be stepped once per iteration"
+                )
+            seen.add(id(leaf))
+        resolved.append((item, item_leaves))
+    return resolved
+
+
+def leaves(target: object) -> list[torch.optim.Optimizer]:
+    """The leaf optimizers of `target` (see `steppables`), in order."""
+    return list(chain.from_iterable(map(_LEAVES, steppables(target))))
+
+
+def combined(flags: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The largest of agreed flags: itself when they are one tensor (the usual case).
+
+    The one place flags are combined (several optimizers, agreements, leaves of a container).
+    """
+    distinct = list(dict(zip(map(id, flags), flags, strict=True)).values())
+    if len(distinct) == 1:
+        return distinct[0]
+    return torch.stack([move(f, distinct[0].device) for f in distinct]).amax(0)
+
+
+@dataclass(slots=True)
+class IterationBook:
+    """The records of one iteration (module docstring)."""
+
+    step: int
+    """The number (1-based) of the step this iteration takes; error messages name it."""
+    loss_scale: torch.Tensor | None = None
+    """The scale this iteration's losses were multiplied by, a copy of the live one made at its
+    first `scale()` (None: not yet, or never on this rank: a pipeline stage that computes no
+    loss, which takes the live one); its gradients are divided by exactly this."""
+    records: dict[int, OptimizerRecord] = field(default_factory=dict)
+    clipped: Clipped | None = None
+    pending: PendingCheck | None = None
+    loss_nonfinite: torch.Tensor | None = None
+    """bool scalar: some loss `scale()` multiplied in this iteration was inf or NaN (None: none
+    was scaled on this rank)."""
+    losses: list[torch.Tensor] = field(default_factory=list)
+    """The losses themselves (detached), kept only to locate a forward overflow."""
+    read: dict[int, bool] = field(default_factory=dict)
+    """Agreed flags the host has read, by `id()`: whether they said skip."""
+
+    def note_loss(self, loss: torch.Tensor, keep: bool) -> None:
+        """Remember on the device whether `loss` is finite: two kernels (a third for a loss of
+        several elements, and from the second loss on: gradient accumulation counts every
+        micro-batch); no host synchronisation."""
+        nonfinite = torch.isnan(loss.detach() * 0)  # inf * 0 and NaN * 0 are NaN; a finite x: 0
+        if nonfinite.numel() != 1:
+            nonfinite = nonfinite.any()
+        previous = self.loss_nonfinite
+        self.loss_nonfinite = nonfinite if previous is None else previous | nonfinite
+        if keep:
+            self.losses.append(loss.detach())
+
+    def begin_unscale(
+        self, optimizers: Iterable[torch.optim.Optimizer]
+    ) -> tuple[list[OptimizerRecord], list[OptimizerRecord]]:
+        """The records `unscale_` must check now, and those that took `clip_grad_norm_`'s
+        unscale and verdict instead.
+
+        Raises:
+            RuntimeError: an optimizer was unscaled already, or stepped, since the last update.
+        """
+        to_check, adopted = [], []
+        for optimizer in optimizers:
+            record = self.records.setdefault(id(optimizer), OptimizerRecord(optimizer))
+            if self.clipped is not None and self._adopt_clip(record):
+                adopted.append(record)
+            elif record.stage is Stage.UNSCALED:
+                raise RuntimeError(
+                    "unscale_() has already been called on this optimizer since the last update()."
+                )
+            elif record.stage is Stage.STEPPED:
+                raise RuntimeError("unscale_() is being called after step().")
+            else:
+                to_check.append(record)
+        return to_check, adopted
+
+    def begin_step(
+        self, optimizers: Iterable[torch.optim.Optimizer]
+    ) -> tuple[list[OptimizerRecord], list[OptimizerRecord]]:
+        """The records of `step`'s optimizers, and those that took `clip_grad_norm_`'s
+        unscale and verdict just now.
+
+        Raises:
+            RuntimeError: one of them was stepped already since the last update.
+        """
+        records, adopted = [], []
+        for optimizer in optimizers:
+            record = self.records.setdefault(id(optimizer), OptimizerRecord(optimizer))
+            if record.stage is Stage.STEPPED:
+                raise RuntimeError("step() has already been called since the last update().")
+            records.append(record)
+            if self.clipped is not None and self._adopt_clip(record):
+                adopted.append(record)
+        return records, adopted
+
+    def _adopt_clip(self, record: OptimizerRecord) -> bool:
+        """Take `clip_grad_norm_`'s unscale and flag for `record` if the clip covered it.
+
+        Raises:
+            RuntimeError: the clip covered some, but not all, of the optimizer's gradients.
+        """
+        clipped = self.clipped
+        if clipped is None or record.stage is not Stage.READY:
+            return False
+        with torch._C.DisableTorchFunctionSubclass():  # DTensor .grad: 0.1 us, not 0.25
+            mine = {id(p) for p in optimizer_params(record.optimizer) if p.grad is not None}
+        if mine <= clipped.param_ids:
+            record.verdict = clipped.verdict
+            record.stage = Stage.UNSCALED
+            return True
+        if mine & clipped.param_ids:
+            raise RuntimeError(
+                "clip_grad_norm_() unscaled some, but not all, of this optimizer's gradients: "
+                "pass every parameter of the optimizers it precedes (e.g. model.parameters())"
+            )
+        return False
+
+    def unscaled_param_ids(self) -> set[int]:
+        """The parameters whose gradients were unscaled in this iteration already."""
+        unscaled = []
+        for record in self.records.values():
+            if record.stage is not Stage.READY:
+                unscaled.append(record)
+        return set(map(id, _params(unscaled)))
+
+    def flags(self) -> list[torch.Tensor]:
+        """The agreed `[skip, forward overflow]` flags of this iteration, each tensor once."""
+        distinct: dict[int, torch.Tensor] = {}
+        for record in self.records.values():
+            if record.verdict is not None:
+                distinct[id(record.verdict.flags)] = record.verdict.flags
+        return list(distinct.values())
 
 
 class Stepper:
     """Checks, agrees, unscales, clips and steps, for one scaler on one rank.
 
     Args:
-        agreement: the process group and its one collective.
+        exchange: the process group and its collectives.
+        home: the scale state, and whether this rank scaled or holds an unconfirmed scale.
         locate_overflow: on overflow steps, find and log the non-finite gradients.
-        defers_agreement: whether `unscale_` leaves its agreement to the next step, clip or
-            update (False where those may run on another thread: the async scaler).
     """
 
-    def __init__(
-        self,
-        agreement: Agreement,
-        home: ScaleHome,
-        *,
-        locate_overflow: bool,
-        defers_agreement: bool,
-    ) -> None:
-        self.agreement = agreement
-        self.home = home  # whether this rank scaled, or holds an unconfirmed scale
+    def __init__(self, exchange: Exchange, home: ScaleHome, *, locate_overflow: bool) -> None:
+        self.exchange = exchange
+        self.home = home
+        self.kernels = Kernels()
         self.last_overflow: list[NonFiniteGrad] = []
         self._locate_overflow = locate_overflow
-        self._defers = defers_agreement
-        self._cache = GradCache()
+        self._walk = GradWalk()
         # Whether this scaler has been through an agreement: every rank passes its first at the
         # same collective, so "defer unscale_'s agreement" is decided alike everywhere.
         self._agreed_once = False
         self._warned_plain_replicas = False
-        # The agreed flag ``locate_overflow`` read in this step() call, and its value: the
-        # step's decision then needs no second read.
-        self._flag_read: tuple[torch.Tensor, bool] | None = None
 
-    # ------------------------------------------------------------------ unscale_ and step
-
-    def unscale(
-        self, book: IterationBook, target: object, scale: torch.Tensor
-    ) -> list[OptimizerRecord]:
-        """`unscale_` of `target`'s optimizers; returns their records."""
-        leaves = [leaf for item in steppables(target) for leaf in item.leaves]
-        to_check, adopted = book.begin_unscale(leaves)
-        self._locate_adopted(book, adopted)
-        # Deferred only once the scaler has agreed before: on its first step a pipeline stage
-        # that never scaled must agree before it modifies anything, and every rank must then
-        # issue the same collectives, whichever stage it holds.
-        if to_check and not (self._defers and self._agreed_once):
-            self._check_and_agree(book, to_check, [], scale, "unscale_")
+    def unscale(self, book: IterationBook, target: object, scale: torch.Tensor) -> None:
+        """`unscale_` of `target`'s optimizers: check and unscale, and agree at the next point
+        that needs the decision, except on this scaler's first step: there a pipeline stage that
+        never scaled must agree before it modifies anything, and every rank must then issue the
+        same collectives, whichever stage it holds."""
+        to_check, adopted = book.begin_unscale(leaves(target))
+        if adopted and self._locate_overflow:
+            self._locate_if_overflowed(book, adopted)
+        if to_check and not self._agreed_once:
+            self.agree(book, scale, "unscale_", unscale=to_check)
         elif to_check:
-            self._check_locally(book, to_check, scale)
-        return [book.record(leaf) for leaf in leaves]
+            with torch.no_grad():
+                groups, _, holds = self._walk.groups(_key("unscale", to_check), _params(to_check))
+                flags = self.kernels.check_(groups, self.kernels.inverse(scale), {})
+            pending = book.pending = book.pending or PendingCheck()
+            pending.records.extend(to_check)
+            pending.flags.extend(flags.values())
+            pending.holds = pending.holds or holds
+            for record in to_check:
+                record.stage = Stage.UNSCALED
+
+    def check(self, book: IterationBook, target: object, scale: torch.Tensor) -> list[Any]:
+        """The check and the one agreement for a `step()` of `target`, not stepping yet.
+
+        Returns:
+            The steppables of `target` (see `steppables`).
+
+        Raises:
+            RuntimeError: one of its optimizers was stepped already since the last update.
+        """
+        items = steppables(target)
+        records, adopted = book.begin_step(chain.from_iterable(map(_LEAVES, items)))
+        if adopted and self._locate_overflow:
+            self._locate_if_overflowed(book, adopted)
+        unscale: list[OptimizerRecord] = []
+        check: list[OptimizerRecord] = []
+        for record in records:
+            if record.stage is Stage.READY and record.verdict is None:
+                (check if takes_scale(record.optimizer) else unscale).append(record)
+        if unscale or check or book.pending is not None:
+            # Fused optimizers unscale inside their own kernel: check, don't write.
+            self.agree(book, scale, "step", unscale=unscale, check=check)
+        return items
 
     def step(
         self,
         book: IterationBook,
-        target: object,
+        items: list[Any],
         scale: torch.Tensor,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-    ) -> tuple[Any, bool | torch.Tensor, list[OptimizerRecord]]:
-        """`step` of `target` (an optimizer, a container of them, or a list).
+    ) -> tuple[list[Any], Decision]:
+        """Step the checked `items` (from [`check()`][check]), or skip them, as agreed.
 
         Returns:
-            What the `step()` calls returned (a list for a list), the decision (a bool where
-            the host read it, else the agreed device flag), and the records stepped.
+            What each item's `step()` returned (None where skipped), and the decision: whether
+            it skipped as the host read it (one read where any optimizer is not fused), or, if
+            none was read, the agreed device flags.
         """
-        items = steppables(target)
-        self._flag_read = None  # a read from another call may predate a replay: not reused
-        records, adopted = book.begin_step(leaf for item in items for leaf in item.leaves)
-        self._locate_adopted(book, adopted)
-        ready = [record for record in records if record.stage is Stage.READY]
-        if ready or book.pending is not None:
-            # Fused optimizers unscale inside their own kernel: check, don't write.
-            still_scaled = [r for r in ready if takes_scale(r.optimizer)]
-            to_unscale = [r for r in ready if not takes_scale(r.optimizer)]
-            self._check_and_agree(book, to_unscale, still_scaled, scale, "step")
-        by_optimizer = {id(record.optimizer): record for record in records}
-        decisions: dict[int, bool] = {}  # host reads of agreed flags, one per distinct flag
         results = []
-        for item in items:
-            item_records = [by_optimizer[id(leaf)] for leaf in item.leaves]
-            found_inf = combined([r.found_inf for r in item_records])
-            if all(takes_scale(leaf) for leaf in item.leaves):
-                results.append(
-                    step_on_device(
-                        item, item_records, found_inf, scale, args, kwargs, self.agreement.settle
-                    )
-                )
-            else:
-                if id(found_inf) not in decisions:
-                    known = self._flag_read
-                    if known is not None and known[0] is found_inf:  # locate_overflow read it
-                        decisions[id(found_inf)] = known[1]
-                    else:  # the step's one host synchronisation
-                        decisions[id(found_inf)] = self.agreement.read_flag(found_inf)
-                skipped = decisions[id(found_inf)]
-                results.append(
-                    None
-                    if skipped
-                    else step_on_device(
-                        item, item_records, found_inf, scale, args, kwargs, self.agreement.settle
-                    )
-                )
-            for record in item_records:
-                record.stage = Stage.STEPPED
-        overall = combined([record.found_inf for record in records])
-        result = results if isinstance(target, (list, tuple)) else results[0]
-        return result, decisions.get(id(overall), overall), records
-
-    def resolve_pending(self, book: IterationBook, scale: torch.Tensor, funcname: str) -> None:
-        """Agree on the checks `unscale_` left pending (`update()` without `step()`)."""
-        if book.pending is not None:
-            self._check_and_agree(book, [], [], scale, funcname)
-
-    def _check_locally(
-        self, book: IterationBook, records: list[OptimizerRecord], scale: torch.Tensor
-    ) -> None:
-        """Unscale and check `records`' gradients in place; leave the agreement pending."""
-        with torch.no_grad():
-            walk = self._walk("unscale", records)
-            self._settle_before_host_copy(walk.kernel_groups(), scale)
-            flags = check_and_unscale_(walk.kernel_groups(), inverse(scale))
-        book.add_pending(records, flags.values(), walk.holds)
-        for record in records:
-            record.stage = Stage.UNSCALED
-
-    def _settle_before_host_copy(self, groups: GradGroups, scale: torch.Tensor) -> None:
-        """Bound the collective in flight before unscaling CPU gradients by a device scale.
-
-        Their inverse scale is copied to the host (blocking), which waits for the device's
-        queue: behind the previous step's collective, if it is still in flight (NCCL with
-        `sync_timeout`). Settling first bounds that wait by `sync_timeout`.
-        """
-        if scale.device.type != "cpu" and any(device.type == "cpu" for device, _ in groups):
-            self.agreement.settle()
-
-    def _walk(self, purpose: str, records: list[OptimizerRecord]) -> GradWalk:
-        """The local gradients of `records`' optimizers, their layout cached per purpose and
-        optimizer set (unscaled gradients and only-checked ones are never walked together)."""
-        return self._cache.walk(
-            (purpose, *(id(r.optimizer) for r in records)),
-            (p for record in records for p in optimizer_params(record.optimizer)),
-        )
-
-    def _check_and_agree(
-        self,
-        book: IterationBook,
-        to_unscale: list[OptimizerRecord],
-        to_check: list[OptimizerRecord],
-        scale: torch.Tensor,
-        funcname: str,
-    ) -> None:
-        """Check (and unscale) the records' gradients, then agree on ONE flag for all of them.
-
-        `to_unscale`'s gradients are divided by the scale in place (their stage becomes
-        UNSCALED); `to_check`'s are only checked (fused optimizers unscale them in their own
-        kernel); checks `unscale_` left pending join. Every record gets the agreed
-        `found_inf`. On a rank that never called `scale()` nothing is modified until the
-        group has confirmed that some rank did.
-        """
-        confirm = funcname if self.home.unconfirmed else None
-        # Only gradients to unscale need it (a fused optimizer's are only checked).
-        inv_scale = inverse(scale) if to_unscale else None
-        pending = book.take_pending()
-        earlier = pending.records if pending is not None else []
-        records = to_unscale + to_check + earlier
-        with torch.no_grad():
-            unscaling = self._walk("unscale", to_unscale)
-            checking = self._walk("check", to_check)
-            unscale_groups = unscaling.kernel_groups()
-            if not confirm:
-                self._settle_before_host_copy(unscale_groups, scale)
-            holds = unscaling.holds or checking.holds or (pending is not None and pending.holds)
-            ballot = self.agreement.ballot(scale.device, holds_grads=holds, has_scale=not confirm)
-            flags = check_and_unscale_(
-                unscale_groups, None if confirm else inv_scale, ballot.flags()
+        every = []
+        for item, item_leaves in items:
+            records, item_flags = [], []
+            for leaf in item_leaves:
+                record = book.records[id(leaf)]
+                records.append(record)
+                item_flags.append(cast(Verdict, record.verdict).flags)
+            flags = combined(item_flags)
+            every.append(flags)
+            # fused optimizers skip on the device; the others cost the one host read
+            skip = not all(map(takes_scale, item_leaves)) and self.read(book, flags)
+            results.append(
+                None if skip else _step_on_device(item, records, flags[0], scale, args, kwargs)
             )
-            flags = check_and_unscale_(checking.kernel_groups(), None, flags)
-            verdict = self.agreement.agree(
+            for record in records:
+                record.stage = Stage.STEPPED
+        overall = combined(every)
+        return results, book.read.get(id(overall), overall)
+
+    def read(self, book: IterationBook, flags: torch.Tensor) -> bool:
+        """Whether an agreed `[skip, forward overflow]` says skip: one host read per flags
+        tensor (the step's one synchronisation), remembered in the book."""
+        skip = book.read.get(id(flags))
+        if skip is None:
+            skip = book.read[id(flags)] = bool(flags[0].item())
+        return skip
+
+    def agree(
+        self,
+        book: IterationBook | None,
+        scale: torch.Tensor | None,
+        funcname: str,
+        *,
+        unscale: Sequence[OptimizerRecord] = (),
+        check: Sequence[OptimizerRecord] = (),
+        clip: Clip | None = None,
+    ) -> Verdict:
+        """Check the records' gradients, and agree on ONE verdict for all of them.
+
+        `unscale`'s gradients are divided by the scale in place (their stage becomes
+        UNSCALED); `check`'s are only checked (fused optimizers unscale them in their own
+        kernel); checks `unscale_` left pending join. With `clip` the norm of its parameters'
+        gradients travels in the same collective, and they are clipped after it (and unscaled,
+        unless `unscale_` did). On a rank that never called `scale()` nothing is modified until
+        the group has confirmed that some rank did. Without a book and a scale (a disabled
+        scaler's clip) only the norm is exchanged.
+        """
+        kernels = self.kernels
+        confirm = funcname if scale is not None and self.home.unconfirmed else None
+        pending = None
+        if book is not None:
+            pending, book.pending = book.pending, None
+        clip_scaled = clip is not None and clip.scaled and scale is not None
+        inv = None
+        if scale is not None and (unscale or clip_scaled):
+            inv = kernels.inverse(scale)
+        with torch.no_grad():
+            walks: dict[str, GradGroups] = {"unscale": {}, "check": {}}
+            norms: NormGroups = {}
+            holds = pending is not None and pending.holds
+            for purpose, records in (("unscale", unscale), ("check", check)):
+                if records:
+                    walks[purpose], _, walked = self._walk.groups(
+                        _key(purpose, records), _params(records)
+                    )
+                    holds = holds or walked
+            groups, checked = walks["unscale"], walks["check"]
+            if clip is not None:
+                norms, plain, walked = self._walk.groups(
+                    ("clip", clip.replicas), clip.params, clip.replicas
+                )
+                holds = holds or walked
+                if plain and not self.home.scaled_here:
+                    self._warn_plain_replicas_assumed(clip.replicas)
+            device = scale.device if scale is not None else _first_device(norms)
+            ballot = self.exchange.ballot(
+                device,
+                holds_grads=holds,
+                has_scale=confirm is None,
+                loss_nonfinite=None if book is None else book.loss_nonfinite,
+                with_norm=clip is not None,
+            )
+            flags = {ballot.skip.device: ballot.skip}
+            kernels.check_(groups, None if confirm else inv, flags)
+            kernels.check_(checked, None, flags)
+            if clip is not None:
+                # The norms' check raises the ballot's own slot (no kernel of its own) where a
+                # non-finite norm means a non-finite element; otherwise the elements are checked.
+                exact = exact_norm_check(norms, clip.norm_type)
+                factor = inv if clip_scaled and inv is not None else kernels.one(device)
+                share = ballot.tensor[-1]
+                kernels.local_norms_(norms, clip.norm_type, factor, flags if exact else {}, share)
+                if clip_scaled and not exact:
+                    kernels.check_(norms, None, flags)
+            verdict = self.exchange.agree(
                 ballot,
                 [*flags.values(), *(pending.flags if pending is not None else ())],
-                device=scale.device,
-                step=book.step,
-                confirm_scale=confirm,
-            )
-            if confirm:  # the group confirmed that some rank scaled: unscale now
-                self.home.confirm()
-                if inv_scale is not None:
-                    multiply_(unscale_groups, inv_scale)
-        self._agreed_once = True
-        for record in to_unscale:
-            record.stage = Stage.UNSCALED
-        book.agreed(records, verdict.found_inf)
-        self._locate_if_overflowed(verdict.found_inf, records, book.step)
-
-    # ------------------------------------------------------------------ clipping
-
-    def clip(
-        self,
-        book: IterationBook | None,
-        params: list[torch.Tensor],
-        max_norm: float,
-        norm_type: float,
-        replicas: int,
-        scale: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """`clip_grad_norm_`: norm (one read), agreement (one collective), clip (one write).
-
-        Args:
-            book: the iteration (None: a disabled scaler, which only clips).
-            scale: the scale the gradients carry, or None: only the norm is exchanged (a
-                disabled scaler). Gradients `unscale_` already unscaled are clipped as they
-                are, and its pending check joins the collective.
-
-        Raises:
-            RuntimeError: called twice in the iteration, or on parameters of which some, but
-                not all, were unscaled already.
-        """
-        if book is None or scale is None:
-            verdict = self._clip(None, params, max_norm, norm_type, replicas, None, step=0)
-            assert verdict.total_norm is not None
-            return verdict.total_norm
-        if book.clipped is not None:
-            raise RuntimeError("clip_grad_norm_() has already been called since the last update().")
-        ids = frozenset(id(p) for p in params)
-        done = book.unscaled_param_ids()
-        if done and ids <= done:  # unscale_() ran for these already: clip them as they are
-            verdict = self._clip(book, params, max_norm, norm_type, replicas, None, book.step)
-        elif ids & done:
-            raise RuntimeError(
-                "clip_grad_norm_() got parameters of which some, but not all, were already "
-                "unscaled by unscale_(): clip each optimizer's parameters after its unscale_(), "
-                "or all of them before any unscale_()"
-            )
-        else:
-            verdict = self._clip(book, params, max_norm, norm_type, replicas, scale, book.step)
-            book.clipped = Clipped(param_ids=ids, found_inf=verdict.found_inf)
-        assert verdict.total_norm is not None
-        return verdict.total_norm
-
-    def _clip(
-        self,
-        book: IterationBook | None,
-        params: list[torch.Tensor],
-        max_norm: float,
-        norm_type: float,
-        replicas: int,
-        scale: torch.Tensor | None,
-        step: int,
-    ) -> Verdict:
-        pending = book.take_pending() if book is not None else None
-        with torch.no_grad():
-            walk = self._cache.walk(("clip", replicas), params)
-            groups, plain = walk.norm_groups(replicas)
-            self._warn_if_plain_replicas_assumed(plain, replicas)
-            if scale is not None:
-                device, inv_scale = scale.device, inverse(scale)
-            else:
-                device = next(iter(groups))[0] if groups else _CPU
-                inv_scale = ones(device)  # made once: no kernel per step
-            confirm = "clip_grad_norm_" if scale is not None and self.home.unconfirmed else None
-            holds = walk.holds or (pending is not None and pending.holds)
-            ballot = self.agreement.ballot(
-                device, holds_grads=holds, has_scale=confirm is None, with_norm=True
-            )
-            # The norms' check raises the ballot's own slot (no kernel of its own) where a
-            # non-finite norm means a non-finite element; otherwise the elements are checked.
-            exact = norm_flags_exact(groups, norm_type)
-            share, norm_flags = local_norms(
-                groups, norm_type, inv_scale, device, ballot.flags() if exact else None
-            )
-            flags = list(pending.flags) if pending is not None else []
-            if scale is not None:  # this pass is the check of still-scaled gradients
-                if not exact:
-                    norm_flags = check_and_unscale_(by_device_dtype(groups), None, ballot.flags())
-                flags.extend(norm_flags.values())
-            verdict = self.agreement.agree(
-                ballot,
-                flags,
                 device=device,
-                step=step,
+                step=0 if book is None else book.step,
                 confirm_scale=confirm,
-                norm_share=share,
-                norm_type=norm_type,
+                norm_type=None if clip is None else clip.norm_type,
             )
-            if confirm is not None:
+            if confirm is not None:  # the group confirmed that some rank scaled: unscale now
                 self.home.confirm()
+                if inv is not None:
+                    kernels.multiply_(groups, inv)
             self._agreed_once = True
-            assert verdict.total_norm is not None
-            apply_(
-                groups,
-                max_norm,
-                verdict.total_norm,
-                None if scale is None else inv_scale,
-                verdict.found_inf,
-            )
-        if pending is not None and book is not None:
-            book.agreed(pending.records, verdict.found_inf)
-            self._locate_if_overflowed(verdict.found_inf, pending.records, step)
+            if book is not None:
+                records = [*unscale, *check, *(pending.records if pending is not None else ())]
+                for record in records:
+                    record.verdict = verdict
+                for record in unscale:
+                    record.stage = Stage.UNSCALED
+                if self._locate_overflow:
+                    self._locate_if_overflowed(book, records)
+            if clip is not None:
+                total = cast(torch.Tensor, verdict.total_norm)  # exchanged with the flags
+                unscaling = inv if clip_scaled else None
+                kernels.clip_(norms, clip.max_norm, total, unscaling, verdict.flags[0])
         return verdict
 
-    def _warn_if_plain_replicas_assumed(self, plain: bool, replicas: int) -> None:
-        """Warn, once, where the default replica group is most likely wrong: a pipeline stage."""
-        world_size = self.agreement.world_size
-        if not plain or self.home.scaled_here or replicas != world_size or world_size == 1:
-            return
-        if self._warned_plain_replicas:
+    def _warn_plain_replicas_assumed(self, replicas: int) -> None:
+        """Warn, once, where the default replica group is most likely wrong: plain gradients on
+        a rank that never scaled (a pipeline stage), taken as replicated on every rank."""
+        world_size = self.exchange.world_size
+        if self._warned_plain_replicas or replicas != world_size or world_size == 1:
             return
         self._warned_plain_replicas = True
         warnings.warn(
@@ -353,26 +505,93 @@ class Stepper:
             stacklevel=4,
         )
 
-    # ------------------------------------------------------------------ locating overflows
-
-    def _locate_adopted(self, book: IterationBook, adopted: list[OptimizerRecord]) -> None:
-        """Locate an overflow for the records that just took `clip_grad_norm_`'s verdict."""
-        if adopted and book.clipped is not None:
-            self._locate_if_overflowed(book.clipped.found_inf, adopted, book.step)
-
-    def _locate_if_overflowed(
-        self, found_inf: torch.Tensor, records: list[OptimizerRecord], step: int
-    ) -> None:
-        """With `locate_overflow`: on an overflow step, find and log the non-finite grads."""
-        if not (self._locate_overflow and records):
+    def _locate_if_overflowed(self, book: IterationBook, records: list[OptimizerRecord]) -> None:
+        """With `locate_overflow`: on an overflow step, find and log the non-finite gradients
+        (and losses) of `records`, on every rank alike."""
+        if not records:
             return
-        overflowed = self.agreement.read_flag(found_inf)  # same on every rank
-        self._flag_read = (found_inf, overflowed)
-        if not overflowed:
+        flags = cast(Verdict, records[0].verdict).flags
+        if not self.read(book, flags):  # the same on every rank
             return
-        self.last_overflow = locate(
-            (pair for record in records for pair in optimizer_named_params(record.optimizer)),
-            self.agreement,
-            step,
-        )
-        log_located(step, self.last_overflow)
+        forward = bool(flags[1].item())
+        named = [pair for record in records for pair in optimizer_named_params(record.optimizer)]
+        losses = book.losses if forward else []
+        self.last_overflow = locate(named, self.exchange, book.step, losses)
+        log_located(book.step, self.last_overflow, forward)
+
+
+def _params(records: Iterable[OptimizerRecord]) -> Iterator[torch.Tensor]:
+    """The parameters of the records' optimizers, in order."""
+    return chain.from_iterable(map(optimizer_params, map(_OPTIMIZER, records)))
+
+
+def _key(purpose: str, records: Sequence[OptimizerRecord]) -> tuple[object, ...]:
+    """A walk's key: what it is for, and for which optimizers (by id)."""
+    return (purpose, *map(id, map(_OPTIMIZER, records)))
+
+
+def _first_device(groups: dict[Any, list[torch.Tensor]]) -> torch.device:
+    return next(iter(groups))[0] if groups else torch.device("cpu")
+
+
+def _step_on_device(
+    item: Any,
+    records: list[OptimizerRecord],
+    found_inf: torch.Tensor,
+    scale: torch.Tensor,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Step `item`, handing every fused optimizer in it the scale and the agreed flag.
+
+    torch's fused (and capturable, amp-aware) optimizers read `grad_scale` and `found_inf`
+    themselves: they unscale inside their own kernel and skip on the device when `found_inf` is
+    1.0. Both are set for the duration of the step only. One whose gradients are still scaled
+    gets `grad_scale` (times its own, if the user set one); one already unscaled (`unscale_`,
+    `clip_grad_norm_`) only its own.
+
+    Each gets both tensors on its own parameters' device: torch's fused Adam/AdamW/Adagrad move
+    them there with `non_blocking=True`, which from a GPU to the CPU returns before the copy lands,
+    and their CPU kernel reads the values at once (a stale scale, a missed skip: inf in
+    CPU-offloaded master weights). So the copy to the CPU is made here, blocking: one
+    device-to-host copy per step and CPU device, the price of a CPU kernel that needs a device
+    value. Over several devices torch groups the parameters itself and the tensors are handed
+    where the scale is: keep a fused optimizer's parameters on one device.
+    """
+    handed = []
+    moved: dict[tuple[torch.device, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+    for record in records:
+        leaf = record.optimizer
+        if not takes_scale(leaf):
+            continue
+        own = getattr(leaf, "grad_scale", None)
+        grad_scale = (scale if own is None else scale * own) if record.stage is Stage.READY else own
+        devices = set(map(_DEVICE, optimizer_params(leaf)))
+        if len(devices) == 1:
+            device = devices.pop()
+            key = (device, id(grad_scale))
+            if key not in moved:
+                moved[key] = _to_device(grad_scale, found_inf, device)
+            leaf.grad_scale, leaf.found_inf = moved[key]  # type: ignore[attr-defined]
+        else:
+            leaf.grad_scale, leaf.found_inf = grad_scale, found_inf  # type: ignore[attr-defined]
+        handed.append(leaf)
+    try:
+        return item.step(*args, **kwargs)
+    finally:
+        for leaf in handed:
+            del leaf.grad_scale  # type: ignore[attr-defined]
+            del leaf.found_inf  # type: ignore[attr-defined]
+
+
+def _to_device(
+    grad_scale: torch.Tensor | None, found_inf: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """`grad_scale` and `found_inf` on `device`: themselves when there, else ONE copy (both
+    stacked: one blocking copy to the CPU, not two)."""
+    if found_inf.device == device and (grad_scale is None or grad_scale.device == device):
+        return grad_scale, found_inf
+    if grad_scale is None or grad_scale.dtype != found_inf.dtype:
+        return None if grad_scale is None else move(grad_scale, device), move(found_inf, device)
+    both = move(torch.stack((grad_scale.reshape(()), found_inf)), device)
+    return both[0].reshape(grad_scale.shape), both[1]

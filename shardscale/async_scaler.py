@@ -15,9 +15,9 @@ Semantics (the contract this module keeps):
   (gradient accumulation) share its scale.
 * `scale()` of iteration k+1 gets the scale that `update()` of iteration k produced, exactly
   as in synchronous training, so every rank scales every iteration alike. Iteration k's outcome
-  is known once its overflow flag is agreed (inside its `unscale_()`/`step()`), not when its
-  optimizer step ends: `scale()` waits for that agreement only, and the optimizer's
-  arithmetic overlaps the next forward and backward.
+  is known once its overflow flag is agreed (inside its `step()`), not when its optimizer step
+  ends: `scale()` waits for that agreement only, and the optimizer's arithmetic overlaps the
+  next forward and backward.
 * `unscale_()`/`step()` serve the oldest iteration not yet stepped, and divide out exactly
   the scale its losses were multiplied by (each iteration keeps its own copy, which nothing
   modifies in place).
@@ -29,28 +29,33 @@ Semantics (the contract this module keeps):
   in the same order on every rank, and the optimizer thread's would race with the model's.
 * Waits are bounded by `step_timeout`; an exception in a step is re-raised, chained, by the
   `scale()` waiting for that iteration.
+* `clip_grad_norm_()` clips the oldest iteration not yet stepped too: call it on the optimizer
+  thread, before that iteration's `step()`.
+
+It is built from parts it is given, not from its base's insides: its own process group (passed
+to [`ShardedGradScaler`][] as `process_group`), a lock over the base's protocol calls, and the
+optimizer handed to the base's `step()` inside a container of one whose `step()` first says
+that the flag was agreed: the moment to apply the iteration's update, before the optimizer's
+arithmetic.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
-from shardscale._agree import Agreement
-from shardscale._compat import passes_itself
-from shardscale._config import ScalerConfig, timeout_option
-from shardscale._iteration import InFlightIteration, IterationBook
-from shardscale._optimizers import OptimizerTarget, steppables
+from shardscale._exchange import Exchange, timeout_option
 from shardscale._report import ScalerStats
-from shardscale.scaler import ShardedGradScaler
+from shardscale._stepping import OptimizerTarget, leaves
+from shardscale.scaler import ShardedGradScaler, passes_itself
 
 __all__ = ["AsyncShardedGradScaler", "on_device"]
 
@@ -68,6 +73,42 @@ def on_device(device: torch.device) -> AbstractContextManager[object]:
     module = torch.get_device_module(device.type)
     select = getattr(module, "device", None)
     return nullcontext() if select is None else select(device.index)
+
+
+@dataclass(eq=False, slots=True)
+class _Iteration:
+    """One iteration, from its first `scale()` until it is stepped and its update applied."""
+
+    number: int
+    device: torch.device
+    """The first loss's device, where its scale lives (the optimizer thread runs under it)."""
+    closed: bool = False
+    """update() was called for it."""
+    agreed: bool = False
+    """Its flag was agreed (inside its step)."""
+    resolved: bool = False
+    """Its update was applied."""
+    stepped: bool = False
+    manual_scale: torch.Tensor | None = None
+    failure: BaseException | None = None
+
+
+class _Notifying:
+    """`optimizer`, as a container of one (the base steps containers: their leaves are checked
+    and handed the flag, the container's `step()` is called once, after the agreement) whose
+    `step()` first tells that the flag was agreed."""
+
+    def __init__(self, optimizer: Any, agreed: Callable[[], None]) -> None:
+        self.optimizers = [optimizer]
+        self._agreed = agreed
+
+    @property
+    def param_groups(self) -> Any:
+        return self.optimizers[0].param_groups
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        self._agreed()
+        return self.optimizers[0].step(*args, **kwargs)
 
 
 class AsyncShardedGradScaler(ShardedGradScaler):
@@ -125,28 +166,23 @@ class AsyncShardedGradScaler(ShardedGradScaler):
                 'flag_backend must be a backend name ("gloo") or None, got '
                 f"{type(flag_backend).__name__}"
             )
-        self._flag_backend = flag_backend  # read by _make_agreement, during construction
-        super().__init__(device, **kwargs)
         timeout = timeout_option("step_timeout", step_timeout)
+        # A process group of the scaler's own, made now on every rank: the optimizer thread's
+        # collectives must not interleave with the model's.
+        group = Exchange(
+            kwargs.get("process_group"), timeout_option("sync_timeout", kwargs.get("sync_timeout"))
+        ).dedicated(flag_backend)
+        super().__init__(
+            device, **(kwargs if group is None else {**kwargs, "process_group": group})
+        )
         assert timeout is not None
         self._step_timeout = timeout.total_seconds()
+        self._own_group = group is not None
         self._lock = threading.Condition()
-        self._iterations: deque[InFlightIteration] = deque()  # opened, not yet resolved and stepped
-        self._open: InFlightIteration | None = None  # the one scale() is feeding
+        self._iterations: deque[_Iteration] = deque()  # opened, not yet both resolved and stepped
+        self._open: _Iteration | None = None  # the one scale() is feeding
         self._opened = 0
         self._optimizer_id: int | None = None
-        self._resolved_skip: torch.Tensor | None = None
-
-    # The optimizer thread's agreement cannot wait for a step on the compute thread.
-    _defers_agreement = False
-
-    def _make_agreement(self, config: ScalerConfig) -> Agreement:
-        """A process group of this scaler's own (made at construction, on every rank): the
-        optimizer thread's collectives must not interleave with the model's."""
-        agreement = Agreement(config.process_group, config.timeout)
-        if dist.is_available() and dist.is_initialized():
-            return agreement.dedicated(self._flag_backend)
-        return agreement
 
     def scale(self, outputs: Any) -> Any:
         """As [`ShardedGradScaler.scale()`][ShardedGradScaler.scale].
@@ -156,15 +192,21 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         The first `scale()` of an iteration waits (at most `step_timeout`) until the
         previous iteration's overflow flag is agreed; later calls of the same iteration do not.
         """
-        if self._enabled:
+        if self.is_enabled():
             with self._lock:
                 if self._open is None:
-                    self._open_iteration()
+                    self._open_iteration(_device_of(outputs))
         return super().scale(outputs)
 
-    def _open_iteration(self) -> None:
+    def _open_iteration(self, device: torch.device) -> None:
         """Wait for the ended iterations to resolve, then open the next one (lock held)."""
-        self._check_world()
+        initialised = dist.is_available() and dist.is_initialized()
+        if not self._own_group and initialised and dist.get_world_size() > 1:
+            raise RuntimeError(
+                "AsyncShardedGradScaler was built before torch.distributed was initialised: "
+                "build it after init_process_group(), on every rank (it creates a process "
+                "group of its own for the optimizer thread's collectives)"
+            )
         self._wait(
             lambda: all(it.resolved for it in self._iterations),
             lambda: (
@@ -173,22 +215,18 @@ class AsyncShardedGradScaler(ShardedGradScaler):
             ),
         )
         self._opened += 1
-        book = IterationBook(step=self._steps + 1, on_agreed=self._on_agreed)
-        self._open = InFlightIteration(number=self._opened, book=book)
+        self._open = _Iteration(self._opened, device)
         self._iterations.append(self._open)
-        self._book = book  # scale() fills in its loss scale: a copy of the scale now
 
     def unscale_(self, optimizer: OptimizerTarget) -> None:
         """As [`ShardedGradScaler.unscale_()`][ShardedGradScaler.unscale_].
 
         For the oldest iteration not yet stepped.
         """
-        if not self._enabled:
+        if not self.is_enabled():
             return
-        with self._serving(optimizer, "unscale_") as iteration:
-            scale = self._loss_scale_of(iteration, "unscale_")
-            with on_device(scale.device):
-                self._stepper.unscale(iteration.book, optimizer, scale)
+        with self._serving(optimizer, "unscale_") as iteration, on_device(iteration.device):
+            super().unscale_(optimizer)
 
     def step(self, optimizer: OptimizerTarget, *args: Any, **kwargs: Any) -> Any:
         """As [`ShardedGradScaler.step()`][ShardedGradScaler.step].
@@ -196,10 +234,18 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         For the oldest iteration not yet stepped.
 
         Raises:
-            NotImplementedError: the optimizer takes torch's deprecated `grad_scaler=`.
+            NotImplementedError: a `closure` (a retry needs the batch on this thread, and
+                the next iteration may have begun), or an optimizer that takes torch's
+                deprecated `grad_scaler=`.
         """
-        if not self._enabled or "closure" in kwargs:
+        if not self.is_enabled():
             return super().step(optimizer, *args, **kwargs)
+        if "closure" in kwargs:
+            raise NotImplementedError(
+                "AsyncShardedGradScaler.step(closure=...) is not supported: rerunning a batch "
+                "would need its forward and backward on the optimizer thread while the next "
+                "iteration runs on the compute thread; use ShardedGradScaler to retry batches"
+            )
         if passes_itself(optimizer):
             raise NotImplementedError(
                 "AsyncShardedGradScaler does not pass itself to optimizer.step(grad_scaler=...) "
@@ -207,24 +253,22 @@ class AsyncShardedGradScaler(ShardedGradScaler):
                 "another iteration's thread); use an optimizer that takes grad_scale/found_inf "
                 "(torch's fused=True), or ShardedGradScaler"
             )
-        with self._serving(optimizer, "step") as iteration:
-            scale = self._loss_scale_of(iteration, "step")
-            with on_device(scale.device):  # a new thread's current CUDA device is 0
-                result, _, _ = self._stepper.step(iteration.book, optimizer, scale, args, kwargs)
+        with self._serving(optimizer, "step") as iteration, on_device(iteration.device):
+            container = _Notifying(optimizer, lambda: self._agreed(iteration))
+            result = super().step(cast(torch.optim.Optimizer, container), *args, **kwargs)
+        self._agreed(iteration)  # a skipped non-fused step never reaches the container
         with self._lock:
-            while self._iterations and self._iterations[0].resolved:
-                if not self._iterations[0].stepped:
-                    break
+            iteration.stepped = True
+            while self._iterations and self._iterations[0].resolved and self._iterations[0].stepped:
                 self._iterations.popleft()
         return result
 
     @contextmanager
-    def _serving(self, optimizer: OptimizerTarget, funcname: str) -> Iterator[InFlightIteration]:
+    def _serving(self, optimizer: OptimizerTarget, funcname: str) -> Iterator[_Iteration]:
         """The oldest iteration not yet stepped; a failure inside marks it failed for whoever
         waits for its outcome (a later `scale()`)."""
-        leaves = [leaf for item in steppables(optimizer) for leaf in item.leaves]
         with self._lock:
-            for leaf in leaves:
+            for leaf in leaves(optimizer):
                 if self._optimizer_id is None:
                     self._optimizer_id = id(leaf)
                 elif self._optimizer_id != id(leaf):
@@ -248,14 +292,6 @@ class AsyncShardedGradScaler(ShardedGradScaler):
                 self._lock.notify_all()
             raise
 
-    def _loss_scale_of(self, iteration: InFlightIteration, funcname: str) -> torch.Tensor:
-        if iteration.book.loss_scale is None:
-            raise RuntimeError(
-                f"Attempted {funcname} but iteration {iteration.number} has no scale: call "
-                "scaler.scale(loss) in it"
-            )
-        return iteration.book.loss_scale
-
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """End the current iteration; its scale update happens once its flag is agreed.
 
@@ -265,7 +301,7 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         Raises:
             RuntimeError: no `scale()` was called since the last update().
         """
-        if not self._enabled:
+        if not self.is_enabled():
             return
         with self._lock:
             iteration = self._open
@@ -280,24 +316,23 @@ class AsyncShardedGradScaler(ShardedGradScaler):
             self._open = None
             self._resolve()
 
-    def _on_agreed(self, book: IterationBook) -> None:
-        """An iteration's flag is agreed (on the optimizer thread): resolve what can be."""
+    def _agreed(self, iteration: _Iteration) -> None:
+        """`iteration`'s flag is agreed (on the optimizer thread): resolve what can be."""
         with self._lock:
-            self._resolve()
-            self._lock.notify_all()
+            if not iteration.agreed:
+                iteration.agreed = True
+                self._resolve()
 
     def _resolve(self) -> None:
         """Apply, in order, the updates of iterations that are ended and agreed (lock held)."""
         for iteration in self._iterations:
             if iteration.resolved:
                 continue
-            found_infs = iteration.book.found_infs()
-            if not iteration.closed or not found_infs:
+            if not (iteration.closed and iteration.agreed):
                 return
             iteration.resolved = True
-            self._resolved_skip = found_infs[0]
             self._lock.notify_all()
-            self._apply(found_infs, iteration.manual_scale)
+            super().update(iteration.manual_scale)
 
     def _wait(self, ready: Callable[[], bool], what: Callable[[], str]) -> None:
         """Wait (lock held) until `ready()`; raise on timeout or a failed step."""
@@ -324,24 +359,6 @@ class AsyncShardedGradScaler(ShardedGradScaler):
             lambda: f"the ended iterations' steps to agree (before {funcname})",
         )
 
-    def _check_world(self) -> None:
-        # a group given or made at construction: only a default-group scaler lacks its own
-        dedicated = self._agreement.process_group is not None
-        initialised = dist.is_available() and dist.is_initialized()
-        if not dedicated and initialised and dist.get_world_size() > 1:
-            raise RuntimeError(
-                "AsyncShardedGradScaler was built before torch.distributed was initialised: "
-                "build it after init_process_group(), on every rank (it creates a process group "
-                "of its own for the optimizer thread's collectives)"
-            )
-
-    def _compat_book(self) -> IterationBook:
-        """The iteration torch's private views read: the oldest not yet resolved (the one a
-        step serves), else the one `scale()` feeds."""
-        with self._lock:
-            oldest = next((it for it in self._iterations if not it.resolved), None)
-            return oldest.book if oldest is not None else self._book
-
     def _check_inf_per_device(self, optimizer: OptimizerTarget) -> dict[str, Any]:
         """Refused: the check belongs to the step of the iteration it serves (its thread).
 
@@ -353,15 +370,6 @@ class AsyncShardedGradScaler(ShardedGradScaler):
             "and agreement run inside its step(), on the optimizer thread; read "
             "_found_inf_per_device(optimizer) or last_step_skipped after it"
         )
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether the most recently resolved iteration's step was skipped (on every rank)."""
-        with self._lock:
-            skip = self._resolved_skip
-        if skip is None:
-            return False
-        return self._agreement.read_flag(skip)
 
     @property
     def stats(self) -> ScalerStats:
@@ -410,27 +418,17 @@ class AsyncShardedGradScaler(ShardedGradScaler):
             self._drained("verify_agreement()")
             super().verify_agreement()
 
-    def clip_grad_norm_(
-        self,
-        parameters: torch.Tensor | Iterable[torch.Tensor],
-        max_norm: float,
-        norm_type: float = 2.0,
-        *,
-        replica_group: dist.ProcessGroup | DeviceMesh | int | None = None,
-    ) -> torch.Tensor:
-        """Not supported here: `unscale_(optimizer)` then clip (FSDP1: `model.clip_grad_norm_`).
-
-        Raises:
-            NotImplementedError: always.
-        """
-        raise NotImplementedError(
-            "AsyncShardedGradScaler.clip_grad_norm_ is not supported: on the optimizer thread, "
-            "call scaler.unscale_(optimizer) and then clip (FSDP1: model.clip_grad_norm_, "
-            "FSDP2: torch.nn.utils.clip_grad_norm_ on the DTensor parameters)"
-        )
-
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(
             "an AsyncShardedGradScaler cannot be pickled (it holds a lock and a process group); "
             "save state_dict() instead"
         )
+
+
+def _device_of(outputs: Any) -> torch.device:
+    """The device of the first tensor in `outputs` (a tensor or nested lists of them)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.device
+    for output in outputs if isinstance(outputs, (list, tuple)) else ():
+        return _device_of(output)
+    return torch.device("cpu")

@@ -4,52 +4,83 @@ Invariant: after `step()` every rank of the process group has made the same skip
 decision for its optimizers, and after `update()` every rank holds the same scale, trackers
 and counters. That holds because each rank checks its own gradient shards and the ranks then
 share ONE flag tensor in ONE all-reduce per step; everything after that (the skip decision, the
-policy maths) is a deterministic function of the agreed flag.
+policy maths) is a deterministic function of the agreed flags.
 
-The class orchestrates and stays thin: `_config` validates the options, `_iteration` keeps the
-iteration's call-order state, `_stepping` checks, agrees, clips and steps, `_device_state` holds
-the scale on the device (and `ScaleHome` says whether this rank holds one), `_checkpoint` reads
-and writes state dicts. Two mixins carry the members that are not the iteration:
-`_report.ReportingMembers` (what happened: stats, hooks, `last_step_skipped`, `get_scale`) and
-`_torch_members.TorchPrivateMembers` (torch's private members, as public code reads them).
+One step, as the code runs it: `scale()` multiplies the loss by a copy of the scale and notes
+on the device whether the loss is finite; `step()` hands the iteration's
+[`IterationBook`][shardscale._stepping.IterationBook] to the
+[`Stepper`][shardscale._stepping.Stepper], which walks the local gradients
+(`shardscale._grads`), checks and unscales them in one fused pass per (device, dtype)
+(`shardscale._check`), agrees in the one collective (`shardscale._exchange`) and steps or skips;
+`update()` counts the step and moves the scale on the device (`shardscale._state`,
+`shardscale._policy`) and tells whoever listens (`shardscale._report`).
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
-from collections.abc import Iterable, Mapping
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
-from typing import Any, cast, overload
+from typing import Any, NoReturn, cast, overload
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.hooks import RemovableHandle
 
 from shardscale import _compat
-from shardscale._agree import Agreement
-from shardscale._check import combined
-from shardscale._checkpoint import Counters, ScalerState, parse_state_dict, to_state_dict
-from shardscale._clip import check_clip_args
+from shardscale._check import check_clip_args
 from shardscale._config import ScalerConfig
-from shardscale._device_state import DeviceState, ScaleHome
-from shardscale._devices import move
 from shardscale._errors import ShardScaleWarning, no_scale_message
-from shardscale._grads import grads_device, plain_replicas
-from shardscale._iteration import IterationBook
-from shardscale._optimizers import OptimizerTarget, optimizer_params, steppables
+from shardscale._exchange import Exchange
+from shardscale._grads import grads_device, move, plain_replicas
+from shardscale._locate import NonFiniteGrad
 from shardscale._policy import ScalePolicy
-from shardscale._report import ReportingMembers, StepReporter
-from shardscale._stepping import Stepper
-from shardscale._torch_members import TorchPrivateMembers
+from shardscale._report import ScalerStats, StatsHook, StepReporter, stats_from, stats_of
+from shardscale._state import Counters, ScaleHome, ScalerState, parse_state_dict, to_state_dict
+from shardscale._stepping import (
+    Clip,
+    Clipped,
+    Decision,
+    IterationBook,
+    OptimizerTarget,
+    Stage,
+    Stepper,
+    combined,
+    leaves,
+    optimizer_params,
+)
 
 __all__ = ["ShardedGradScaler"]
 
 
-# torch's _per_optimizer_states is a dict; ours a read-only view of the agreed state.
-class ShardedGradScaler(  # type: ignore[misc]
-    ReportingMembers, TorchPrivateMembers, torch.amp.GradScaler
-):
+def _torch_view(instead: str) -> Callable[[Callable[[Any], Any]], Any]:
+    """A read-only property under one of torch's private names; assigning it raises, saying
+    what to use instead (it mirrors the agreed state, which only the protocol moves)."""
+
+    def make(read: Callable[[Any], Any]) -> property:
+        def refuse(self: Any, value: object) -> NoReturn:
+            raise AttributeError(
+                f"{type(self).__name__}.{read.__name__} mirrors shardscale's agreed state and "
+                f"cannot be assigned; use {instead}"
+            )
+
+        return property(read, refuse, doc=read.__doc__)
+
+    return make
+
+
+def _torch_alias(getter: str, setter: str) -> Any:
+    """torch's private attribute for a setting: reading is `getter()`, writing `setter()`."""
+    return property(
+        lambda self: getattr(self, getter)(),
+        lambda self, value: getattr(self, setter)(value),
+        doc=f"`{getter}()`; writing it is `{setter}()` (checked).",
+    )
+
+
+class ShardedGradScaler(torch.amp.GradScaler):
     """Loss scaler for sharded mixed-precision training whose ranks always agree.
 
     A drop-in for `torch.amp.GradScaler` and
@@ -62,8 +93,9 @@ class ShardedGradScaler(  # type: ignore[misc]
 
     Each rank checks its local gradient shards (plain, DDP, FSDP1 flat parameters,
     FSDP2/DTensor, CPU-offloaded, sparse) for inf/NaN, and the ranks agree in one all-reduce
-    per step, so every rank skips or steps together. With
-    no initialised process group, or a world size of 1, it issues no collective and behaves like
+    per step, so every rank skips or steps together. A loss that is itself inf/NaN (a forward
+    overflow) is told apart: that step is skipped with the scale held. With no initialised
+    process group, or a world size of 1, it issues no collective and behaves like
     `torch.amp.GradScaler`.
 
     Example:
@@ -97,25 +129,28 @@ class ShardedGradScaler(  # type: ignore[misc]
         max_scale: the ceiling for growth. None: no ceiling.
         dynamic: False keeps the scale fixed (use `init_scale=1.0` as a bf16 guard): non-finite
             steps are still skipped on every rank together.
-        sync_timeout: the longest wait (a `timedelta` or seconds) for the other ranks at the
-            scaler's collectives; a rank that never arrives then raises
+        sync_timeout: the longest the host waits (a `timedelta` or seconds) for the other ranks
+            at the scaler's collectives on the CPU or gloo; a rank that never arrives then raises
             [`ShardScaleDistributedError`][shardscale.ShardScaleDistributedError] naming the step.
-            None: the process group's own timeout (torch's defaults: 30 minutes for gloo, 10 for
-            NCCL). On NCCL it is counted from the enqueue, so choose more than the longest step's
-            GPU time (docs/reliability.md).
+            None: the process group's own timeout. On NCCL the host never waits there: the
+            process group's timeout (`init_process_group(timeout=...)`) bounds the collective,
+            enforced by NCCL's watchdog (docs/reliability.md); `sync_timeout` warns there.
         verify_every: call
             [`verify_agreement()`][shardscale.ShardedGradScaler.verify_agreement] every N steps
             (one small collective and one host sync each time). 0, the default: never.
         max_consecutive_skips: raise [`ShardScaleSkipError`][shardscale.ShardScaleSkipError] (naming
-            the step and the scale) when more consecutive steps than this are skipped, instead of
-            skipping forever. None, the default: no limit.
+            the step and the scale) when more consecutive steps than this are skipped (forward
+            overflows included), instead of skipping forever. None, the default: no limit.
         locate_overflow: on steps that overflow, find which parameters hold the inf/NaN gradients on
-            which rank ([`find_nonfinite_grads()`][shardscale.find_nonfinite_grads]), keep the
-            records in [`last_overflow`][shardscale.ShardedGradScaler.last_overflow] and log
-            them (WARNING, logger `"shardscale"`). Clean steps pay one host read of the agreed
-            flag (free after a plain step, which reads it anyway); an overflow step pays host
-            reads and one gather of the records. Name the parameters by building the optimizer
-            from `model.named_parameters()`.
+            which rank (and, on a forward overflow, which ranks' losses were non-finite:
+            [`find_nonfinite_grads()`][shardscale.find_nonfinite_grads]), keep the records in
+            [`last_overflow`][shardscale.ShardedGradScaler.last_overflow] and log them (WARNING,
+            logger `"shardscale"`). Clean steps pay one host read of the agreed flag (free after a
+            plain step, which reads it anyway); an overflow step pays host reads and one gather
+            of the records. Name the parameters by building the optimizer from
+            `model.named_parameters()`.
+        max_retries: with [`step(closure=...)`][step], how many times a batch whose gradients
+            overflowed is run again at a backed-off scale before its step is skipped. Default 3.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -140,24 +175,10 @@ class ShardedGradScaler(  # type: ignore[misc]
         verify_every: int = 0,
         max_consecutive_skips: int | None = None,
         locate_overflow: bool = False,
+        max_retries: int = 3,
     ) -> None:
-        config = ScalerConfig(
-            device=device,  # type: ignore[arg-type]  # normalised to its type by the config
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            enabled=enabled,
-            process_group=process_group,
-            hysteresis=hysteresis,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            dynamic=dynamic,
-            sync_timeout=sync_timeout,
-            verify_every=verify_every,
-            max_consecutive_skips=max_consecutive_skips,
-            locate_overflow=locate_overflow,
-        )
+        # every argument, by name: the config validates and normalises them
+        config = ScalerConfig(**{name: value for name, value in locals().items() if name != "self"})
         if enabled and config.device == "cuda" and not torch.cuda.is_available():
             warnings.warn(
                 "ShardedGradScaler(device='cuda') is enabled, but CUDA is not available. "
@@ -167,53 +188,34 @@ class ShardedGradScaler(  # type: ignore[misc]
             )
             enabled = False
         policy = config.policy()
-        state = ScalerState(
-            policy=policy, scale=policy.initial_state(config.first_scale()), counters=Counters()
-        )
+        state = ScalerState(policy, policy.initial_state(config.first_scale()), Counters())
         self._setup(config, enabled, state)
 
     def _setup(self, config: ScalerConfig, enabled: bool, state: ScalerState) -> None:
+        """Build the scaler's parts (also for `__setstate__`, which bypasses `__init__`)."""
         self._config = config
         self._enabled = enabled
-        self._agreement = self._make_agreement(config)
+        self._exchange = Exchange(config.process_group, config.sync_timeout)
         # The state on the host until the first scale() (or step) puts it on a device.
         self._home = ScaleHome(state)
-        self._stepper = Stepper(
-            self._agreement,
-            self._home,
-            locate_overflow=config.locate_overflow,
-            defers_agreement=self._defers_agreement,
-        )
+        self._stepper = Stepper(self._exchange, self._home, locate_overflow=config.locate_overflow)
         self._reporter = StepReporter(config.max_consecutive_skips)
         # The steps counted so far, kept on the host too: messages name the step without a read.
         self._steps = state.counters.steps
         self._book = IterationBook(step=self._steps + 1)
-        # The last step()'s decision: a bool where the host already read it, else the device flag.
-        self._last_skip: bool | torch.Tensor = False
+        self._last: Decision = False  # the last step()'s decision
 
-    _defers_agreement = True
-    """Whether `unscale_` may leave its agreement to the next step, clip or update (a subclass
-    whose steps run on another thread says False)."""
-
-    def _make_agreement(self, config: ScalerConfig) -> Agreement:
-        """The agreement this scaler runs its collectives on (a subclass may give it a group
-        of its own)."""
-        return Agreement(config.process_group, config.timeout)
+    # ------------------------------------------------------------------ settings
 
     @property
     def policy(self) -> ScalePolicy:
         """The current scale policy (growth, backoff, hysteresis, floor, ceiling)."""
         return self._home.host.policy
 
-    def _set_policy(self, **changes: Any) -> None:
-        self._home.host = replace(
-            self._home.host, policy=replace(self._home.host.policy, **changes)
-        )
-
     @property
     def process_group(self) -> dist.ProcessGroup | None:
         """The group whose ranks agree (None: the default group)."""
-        return self._agreement.process_group
+        return self._exchange.process_group
 
     def is_enabled(self) -> bool:
         """Return whether this scaler scales and checks (False: every method is a no-op)."""
@@ -225,7 +227,7 @@ class ShardedGradScaler(  # type: ignore[misc]
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the scale growth factor (> 1)."""
-        self._set_policy(growth_factor=new_factor)
+        self._home.set_policy(growth_factor=new_factor)
 
     def get_backoff_factor(self) -> float:
         """Return the scale backoff factor."""
@@ -233,7 +235,7 @@ class ShardedGradScaler(  # type: ignore[misc]
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the scale backoff factor (in (0, 1))."""
-        self._set_policy(backoff_factor=new_factor)
+        self._home.set_policy(backoff_factor=new_factor)
 
     def get_growth_interval(self) -> int:
         """Return the number of clean steps before the scale grows."""
@@ -241,7 +243,9 @@ class ShardedGradScaler(  # type: ignore[misc]
 
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the number of clean steps before the scale grows (>= 1)."""
-        self._set_policy(growth_interval=new_interval)
+        self._home.set_policy(growth_interval=new_interval)
+
+    # ------------------------------------------------------------------ the iteration
 
     @overload
     def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
@@ -259,6 +263,9 @@ class ShardedGradScaler(  # type: ignore[misc]
         """Multiply a loss (or nested lists/tuples of them) by the current scale.
 
         The result keeps each input's dtype. Other iterables are scaled lazily, as torch does.
+        Each loss is also checked, on the device, for inf/NaN (two small kernels, no host
+        synchronisation): a step whose loss was non-finite on any rank is skipped on every rank
+        with the scale held, since no scale can fix a forward overflow.
 
         Raises:
             TypeError: an output is not a floating-point tensor.
@@ -286,12 +293,13 @@ class ShardedGradScaler(  # type: ignore[misc]
                 f"scale() got a tensor on {output.device}, but this scaler was built with "
                 f"device={device_type!r}; pass the loss's device, or leave device unset"
             )
-        state = self._home.at_loss(output.device)
         book = self._book
         if book.loss_scale is None:
-            # A copy of the live scale, once per iteration: update() then never modifies a
-            # tensor autograd saved for a backward still to come.
-            book.loss_scale = state.scale.clone()
+            # A copy of the live scale, once per iteration: the iteration's gradients are
+            # divided by it even where update() moves the live one before they are stepped
+            # (the async scaler), and update() never modifies a tensor autograd saved.
+            book.loss_scale = self._home.at(output.device, loss=True).scale.clone()
+        book.note_loss(output, keep=self._config.locate_overflow)
         return (output * move(book.loss_scale, output.device)).to(output.dtype)
 
     def unscale_(self, optimizer: OptimizerTarget) -> None:
@@ -312,13 +320,16 @@ class ShardedGradScaler(  # type: ignore[misc]
             RuntimeError: called twice for this optimizer, or after [`step()`][step], before
                 [`update()`][update]; or no rank holds a gradient for it.
         """
-        if not self._enabled:
-            return
-        leaves = [leaf for item in steppables(optimizer) for leaf in item.leaves]
-        scale = self._ensure_state("unscale_", leaves).scale
-        self._stepper.unscale(self._book, optimizer, scale)
+        if self._enabled:
+            self._stepper.unscale(self._book, optimizer, self._loss_scale("unscale_", optimizer))
 
-    def step(self, optimizer: OptimizerTarget, *args: Any, **kwargs: Any) -> Any:
+    def step(
+        self,
+        optimizer: OptimizerTarget,
+        *args: Any,
+        closure: Callable[[], Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """Unscale (unless done), then run `optimizer.step()` unless any rank overflowed.
 
         Optimizers that take the scale themselves (`_step_supports_amp_scaling`: torch's
@@ -332,9 +343,18 @@ class ShardedGradScaler(  # type: ignore[misc]
         container's own `step()` is called once. Stepping optimizers one call at a time
         costs one collective each, as torch's rules have it.
 
+        With a `closure` (torch's convention: it zeroes the gradients, recomputes the loss,
+        calls `scaler.scale(loss).backward()` and returns the loss), `step` runs it itself, and
+        where the gradients (not the loss) overflowed on any rank it backs the scale off and
+        runs it again, on every rank together, up to `max_retries` times: the optimizer steps
+        once per batch, and no batch is dropped to a gradient overflow. Past the bound, at the
+        floor, with `dynamic=False`, or for a forward overflow (no scale fixes that) the step
+        is skipped as without a closure. It costs one host read of the agreed flags per
+        attempt, fused optimizers included; `stats.retries` counts the reruns.
+
         Returns:
             What `optimizer.step(*args, **kwargs)` returns, or None when skipped; for a list,
-            a list of those.
+            a list of those. With a closure: the loss its last run returned.
 
         An optimizer with `_step_supports_amp_scaling` whose `step()` takes `grad_scaler`
         (torch's deprecated protocol) gets `grad_scaler=self` and torch's `FutureWarning`,
@@ -342,19 +362,44 @@ class ShardedGradScaler(  # type: ignore[misc]
         `_found_inf_per_device`, `_get_scale_async`) is the agreed state.
 
         Raises:
-            RuntimeError: a `closure` is passed, or step() already ran since [`update()`][update].
+            RuntimeError: step() already ran since [`update()`][update].
         """
+        listed = isinstance(optimizer, (list, tuple))
+        targets: list[Any] = list(optimizer) if listed else [optimizer]  # type: ignore[arg-type]
         if not self._enabled:
-            results = [item.target.step(*args, **kwargs) for item in steppables(optimizer)]
-            return results if isinstance(optimizer, (list, tuple)) else results[0]
-        if "closure" in kwargs:
-            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        if _compat.passes_itself(optimizer):  # one attribute read for most optimizers
+            loss = None if closure is None else closure()
+            results = [target.step(*args, **kwargs) for target in targets]
+            return loss if closure is not None else (results if listed else results[0])
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and passes_itself(optimizer):
+            if closure is not None:
+                raise RuntimeError(
+                    "step(closure=...) cannot retry an optimizer that takes grad_scaler="
+                )
             return self._step_passing_itself(cast(torch.optim.Optimizer, optimizer), args, kwargs)
-        leaves = [leaf for item in steppables(optimizer) for leaf in item.leaves]
-        scale = self._ensure_state("step", leaves).scale
-        result, self._last_skip, _ = self._stepper.step(self._book, optimizer, scale, args, kwargs)
-        return result
+        loss, book = None, self._book
+        for attempt in range(self._config.max_retries + 1 if closure is not None else 1):
+            if closure is not None:  # this batch, from its start
+                book = self._book = IterationBook(step=self._steps + 1)
+                with torch.enable_grad():
+                    loss = closure()
+            scale = self._loss_scale("step", optimizer)
+            items = self._stepper.check(book, optimizer, scale)
+            if closure is None or attempt == self._config.max_retries:
+                break
+            flags = combined(book.flags())
+            if not self._stepper.read(book, flags) or flags[1].item() or not self._back_off():
+                break  # stepped; or a forward overflow, or a scale at its floor: skipped
+        results, self._last = self._stepper.step(book, items, scale, args, kwargs)
+        return loss if closure is not None else (results if listed else results[0])
+
+    def _back_off(self) -> bool:
+        """Back the scale off for a rerun of the batch; False where it cannot go lower."""
+        state = self._home.require("step")
+        if not self.policy.dynamic or float(state.scale.item()) <= self.policy.min_scale:
+            return False
+        self.policy.backoff_(state.scale, state.growth_tracker)
+        state.counters[5].add_(1)  # retries
+        return True
 
     def clip_grad_norm_(
         self,
@@ -405,16 +450,35 @@ class ShardedGradScaler(  # type: ignore[misc]
         """
         max_norm, norm_type = check_clip_args(max_norm, norm_type)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        replicas = plain_replicas(replica_group, self._agreement.world_size)
+        replicas = plain_replicas(replica_group, self._exchange.world_size)
         if not self._enabled:
-            return self._stepper.clip(None, params, max_norm, norm_type, replicas, None)
-        scale = self._ensure_state("clip_grad_norm_", params).scale
-        return self._stepper.clip(self._book, params, max_norm, norm_type, replicas, scale)
+            clip = Clip(params, max_norm, norm_type, replicas, scaled=False)
+            return cast(torch.Tensor, self._stepper.agree(None, None, "clip", clip=clip).total_norm)
+        book = self._book
+        if book.clipped is not None:
+            raise RuntimeError("clip_grad_norm_() has already been called since the last update().")
+        ids = frozenset(map(id, params))
+        done = book.unscaled_param_ids()
+        if ids & done and not ids <= done:
+            raise RuntimeError(
+                "clip_grad_norm_() got parameters of which some, but not all, were already "
+                "unscaled by unscale_(): clip each optimizer's parameters after its unscale_(), "
+                "or all of them before any unscale_()"
+            )
+        scaled = not (done and ids <= done)  # else unscale_() ran for these: clip them as they are
+        scale = self._loss_scale("clip_grad_norm_", params)
+        clip = Clip(params, max_norm, norm_type, replicas, scaled)
+        verdict = self._stepper.agree(book, scale, "clip_grad_norm_", clip=clip)
+        if scaled:
+            book.clipped = Clipped(param_ids=ids, verdict=verdict)
+        return cast(torch.Tensor, verdict.total_norm)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Move the scale: back off if any optimizer skipped, grow after enough clean steps.
 
-        Device-side maths on the agreed flags: no collective, no host synchronisation.
+        Device-side maths on the agreed flags: no collective, no host synchronisation. A step
+        skipped for a forward overflow (a non-finite loss on some rank) holds the scale, its
+        trackers and the hysteresis allowance.
 
         Args:
             new_scale: set the scale to this value instead: a float in
@@ -426,35 +490,135 @@ class ShardedGradScaler(  # type: ignore[misc]
         """
         if not self._enabled:
             return
-        scale = self._require_state("update").scale
-        self._stepper.resolve_pending(self._book, scale, "update")  # unscale_() without step()
-        found_infs = self._book.found_infs()
-        if new_scale is None and not found_infs:
+        state, book, policy = self._home.require("update"), self._book, self._home.host.policy
+        if book.pending is not None:  # unscale_() without step(): agree on it now
+            self._stepper.agree(book, state.scale, "update")
+        flags = book.flags()
+        if new_scale is None and not flags:
             raise RuntimeError("No inf checks were recorded prior to update.")
-        manual = None if new_scale is None else self.policy.new_scale_tensor(new_scale)
-        self._apply(found_infs, manual)
-        self._book = IterationBook(step=self._steps + 1)
-
-    def _apply(self, found_infs: list[torch.Tensor], manual: torch.Tensor | None) -> None:
-        """Count the step and move the scale from the agreed flags (or set it to `manual`)."""
-        state = self._require_state("update")
-        if found_infs:
-            found_inf = combined(found_infs)
-            state.count_step_(found_inf)
+        manual = None if new_scale is None else policy.new_scale_tensor(new_scale)
+        if flags:
+            found = combined(flags)
+            state.apply_(policy, found, book.read.get(id(found)) is False, manual)
             self._steps += 1
-            if manual is None:
-                self.policy.update_(
-                    state.scale, state.growth_tracker, state.hysteresis_tracker, found_inf
-                )
-        if manual is not None:
+            self._reporter.push(state)
+        elif manual is not None:
             state.scale.copy_(manual)
         if state.scale.device.type == "cpu":  # reading the state costs no device synchronisation
-            self._reporter.warn_if_at_floor(state, self.policy, self._steps)
-        if found_infs:
-            self._reporter.push(state)
+            self._reporter.warn_if_at_floor(state, policy, self._steps)
+        self._book = IterationBook(step=self._steps + 1)
         verify_every = self._config.verify_every
-        if verify_every and found_infs and self._steps % verify_every == 0:
+        if verify_every and flags and self._steps % verify_every == 0:
             self.verify_agreement()
+
+    def _loss_scale(
+        self, funcname: str, source: Iterable[torch.optim.Optimizer] | list[torch.Tensor] | object
+    ) -> torch.Tensor:
+        """The scale this iteration's gradients carry: its copy, or the live scale where no loss
+        was scaled on this rank; a rank that never called `scale()` gets the state now.
+
+        In a pipeline only the last stage computes a loss; the others never call `scale()`,
+        yet hold the same scale (every rank does) and must check, step and update with the
+        rest: their state goes where their gradients are ([`ScaleHome.for_gradients()`][]).
+        Alone in its group, a rank without a scale raises torch's error instead: nobody else
+        can have scaled its loss.
+        """
+        if self._book.loss_scale is not None:
+            return self._book.loss_scale
+        if self._home.device is not None:
+            return self._home.device.scale
+        if self._exchange.world_size == 1:
+            raise RuntimeError(no_scale_message(funcname))
+        if isinstance(source, list) and source and isinstance(source[0], torch.Tensor):
+            params: Iterable[torch.Tensor] = source
+        else:
+            params = (p for leaf in leaves(source) for p in optimizer_params(leaf))
+        return self._home.for_gradients(grads_device(params)).scale
+
+    # ------------------------------------------------------------------ what happened
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the most recent `step()` skipped the optimizer (on every rank).
+
+        Free after a non-fused step (its decision was already read); after a fused step,
+        reading it costs one host synchronisation on an accelerator.
+        """
+        if isinstance(self._last, torch.Tensor):
+            # Read each time, never cached: a CUDA-graph replay updates this very tensor.
+            return bool(self._last[0].item())
+        return self._last
+
+    @property
+    def stats(self) -> ScalerStats:
+        """Steps, skipped steps, consecutive skips, the scale, the last overflow's step, forward
+        overflows and retries.
+
+        Identical on every rank; right for fused optimizers too (counted on the device). One
+        host read of one small tensor (a synchronisation on an accelerator); no collective.
+        """
+        self._reporter.flush()
+        if self._home.device is None:
+            scale = self._home.host.scale.scale if self._enabled else 1.0
+            return stats_of(scale, self._home.host.counters)
+        return stats_from(self._home.device.packed().tolist())
+
+    def register_stats_hook(self, hook: StatsHook) -> RemovableHandle:
+        """Call `hook(stats)` after every `update()` that counted a step.
+
+        For TensorBoard / W&B: `stats` is a [`ScalerStats`][shardscale.ScalerStats]. On the CPU
+        the hook runs inside that update(); on an accelerator it runs one update() later (or when
+        [`stats`][shardscale.ShardedGradScaler.stats] is read), so that reading the numbers
+        never stalls the step.
+
+        Returns:
+            A handle whose `remove()` unregisters the hook.
+        """
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        return self._reporter.register(hook)
+
+    @property
+    def last_overflow(self) -> list[NonFiniteGrad]:
+        """With `locate_overflow=True`: where the last overflow step's inf/NaN values were.
+
+        [`NonFiniteGrad`][shardscale.NonFiniteGrad] records (rank, name, num_inf, num_nan),
+        identical on every rank; a forward overflow adds a `"<loss>"` record for each rank
+        whose loss was non-finite. Empty before the first overflow, or without
+        `locate_overflow`.
+        """
+        return list(self._stepper.last_overflow)
+
+    def get_scale(self) -> float:
+        """Return the current scale (1.0 when disabled). Costs ONE host sync on an accelerator
+        (the scale and the floor warning's skipped-step count come in one read)."""
+        if not self._enabled:
+            return 1.0
+        if self._home.device is None:
+            return self._home.host.scale.scale
+        return self._reporter.warn_if_at_floor(self._home.device, self.policy, self._steps)
+
+    def verify_agreement(self) -> None:
+        """Check that every rank holds the same scaler state, in one small collective.
+
+        Compares the scale, the trackers, the counters and the policy settings. They always
+        agree if every rank ran the same steps and loaded the same state; this catches the
+        cases where they did not (a state dict loaded on some ranks only, a rank restarted
+        from another checkpoint). A no-op at world size 1. Costs two host transfers (the state,
+        and every rank's values).
+
+        Raises:
+            ShardScaleDistributedError: the ranks differ; the message lists every rank's values
+                for each field that differs. Or a rank did not arrive within `sync_timeout`.
+        """
+        if not self._enabled or self._exchange.world_size == 1:
+            return
+        fields = to_state_dict(self._home.read())
+        values = torch.tensor([float(v) for v in fields.values()], dtype=torch.float64)
+        device = self._home.device.scale.device if self._home.device is not None else values.device
+        self._exchange.compare(values.to(device), list(fields), self._steps)
+
+    # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
         """Return the state as Python numbers; empty when disabled, as torch's.
@@ -466,15 +630,14 @@ class ShardedGradScaler(  # type: ignore[misc]
         [`load_state_dict()`][load_state_dict] the scaler is a `torch.distributed.checkpoint`
         Stateful.
         """
-        if not self._enabled:
-            return {}
-        return to_state_dict(self._read_state())
+        return to_state_dict(self._home.read()) if self._enabled else {}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict of this class or of a torch scaler, whole or not at all.
 
         A torch state dict keeps this scaler's hysteresis, floor and ceiling settings, starts a
-        full hysteresis allowance and zeroes the counters. No-op when disabled, as torch's.
+        full hysteresis allowance and zeroes the counters; an older shardscale format starts the
+        counters it lacks at 0. No-op when disabled, as torch's.
 
         Raises:
             RuntimeError: the dict is empty (saved by a disabled scaler).
@@ -485,6 +648,7 @@ class ShardedGradScaler(  # type: ignore[misc]
             return
         state = parse_state_dict(state_dict, self.policy)
         self._home.load(state)
+        self._reporter.restart(state.counters)
         self._steps = state.counters.steps
         self._book.loss_scale = None  # the next loss takes the loaded scale
 
@@ -499,40 +663,193 @@ class ShardedGradScaler(  # type: ignore[misc]
                 "a ShardedGradScaler bound to an explicit process_group cannot be pickled "
                 "(process groups cannot be); save state_dict() instead"
             )
-        state = self._read_state() if self._enabled else self._home.host
+        state = self._home.read() if self._enabled else self._home.host
         return {"config": self._config, "enabled": self._enabled, "state": state}
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
         self._setup(pickled["config"], pickled["enabled"], pickled["state"])
 
-    def _require_state(self, funcname: str) -> DeviceState:
-        return self._home.require(funcname)
+    # ------------------------------------------------------------------ torch's private members
+    # Public code reads them (skip detection sums `_per_optimizer_states[id(opt)]
+    # ["found_inf_per_device"]`, trainers call `_found_inf_per_device`, optimizers of the
+    # deprecated `grad_scaler=` protocol call `_check_inf_per_device`, accelerate sets up FSDP2
+    # through `_lazy_init_scale_growth_tracker`): each answers with what the group AGREED, and
+    # costs nothing on a step nobody reads it.
 
-    def _ensure_state(
-        self, funcname: str, source: Iterable[torch.optim.Optimizer] | list[torch.Tensor]
-    ) -> DeviceState:
-        """The state on its device; a rank that never called `scale()` gets it now.
+    @_torch_view("update(new_scale=...) or load_state_dict()")
+    def _scale(self) -> torch.Tensor | None:
+        """The live scale tensor (None before the first `scale()`): in-place writes set it."""
+        return None if self._home.device is None else self._home.device.scale
 
-        In a pipeline only the last stage computes a loss; the others never call `scale()`,
-        yet hold the same scale (every rank does) and must check, step and update with the
-        rest: their state goes where their gradients are ([`ScaleHome.for_gradients()`][]).
-        Alone in its group, a rank without a scale raises torch's error instead: nobody else
-        can have scaled its loss.
-        """
+    @_torch_view("load_state_dict()")
+    def _growth_tracker(self) -> torch.Tensor | None:
+        """The int32 growth tracker tensor (None before the first `scale()`), as torch's."""
+        return None if self._home.device is None else self._home.device.growth_tracker
+
+    @_torch_view("the device argument, or the first loss's device")
+    def _device(self) -> str:
+        """The device type (accelerate reads it on resume)."""
         if self._home.device is not None:
-            return self._home.device
-        if self._agreement.world_size == 1:
-            raise RuntimeError(no_scale_message(funcname))
-        items = list(source)
-        params = (
-            [p for optimizer in items for p in optimizer_params(optimizer)]  # type: ignore[arg-type]
-            if items and not isinstance(items[0], torch.Tensor)
-            else items
-        )
-        return self._home.for_gradients(grads_device(params))  # type: ignore[arg-type]
+            return self._home.device.scale.device.type
+        return self._config.device or "cpu"
 
-    def _read_state(self) -> ScalerState:
-        if self._home.device is None:
-            return self._home.host
-        self._agreement.settle()  # a host read of agreed values: bounded by sync_timeout
-        return self._home.device.read(self.policy)
+    @_torch_view("unscale_(), step() and update()")
+    def _per_optimizer_states(self) -> _compat.OptimizerStates:
+        """Per `id(optimizer)`: `{"stage": OptState, "found_inf_per_device": {device: flag}}`.
+
+        A read-only view of this iteration, built when read: the flag is the AGREED one, so
+        `sum(v.item() for v in ...["found_inf_per_device"].values())` says whether the step
+        was skipped, alike on every rank. After `update()` it is empty, as torch's.
+        """
+        return _compat.OptimizerStates(self._book, self._agree_for_view)
+
+    _growth_factor = _torch_alias("get_growth_factor", "set_growth_factor")
+    _backoff_factor = _torch_alias("get_backoff_factor", "set_backoff_factor")
+    _growth_interval = _torch_alias("get_growth_interval", "set_growth_interval")
+
+    @property
+    def _init_scale(self) -> float:
+        """The scale the state starts from when it is put on a device (torch's meaning: set by
+        the constructor and by `load_state_dict`; later steps do not change it)."""
+        return self._home.host.scale.scale
+
+    @_init_scale.setter
+    def _init_scale(self, value: float) -> None:
+        self.policy.check_scale("_init_scale", float(value))
+        self._home.set_start(scale=float(value))
+
+    @property
+    def _init_growth_tracker(self) -> int:
+        """The growth tracker the state starts from, as `_init_scale` (torch's meaning)."""
+        return self._home.host.scale.growth_tracker
+
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: int) -> None:
+        # Any int >= 0, as torch takes it (its own tests write 7 with growth_interval 1); a
+        # tracker at or past the interval grows the scale at the next clean step.
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"_init_growth_tracker must be an int >= 0, got {value!r}")
+        self._home.set_start(growth_tracker=value)
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        """The scale tensor without a sync (torch's private accessor, used by frameworks)."""
+        return None if self._home.device is None else self._home.device.scale
+
+    def _get_growth_tracker(self) -> int:
+        """The growth tracker as an int (one host read once the state is on a device)."""
+        return self._home.read().scale.growth_tracker if self._enabled else 0
+
+    def _agree_for_view(self, book: IterationBook) -> None:
+        """Run the agreement `unscale_()` deferred, for a view that must show agreed flags."""
+        if book.pending is not None:
+            self._stepper.agree(book, self._home.require("unscale_").scale, "unscale_")
+
+    def _found_inf_per_device(self, optimizer: OptimizerTarget) -> dict[str, Any]:
+        """`optimizer`'s agreed flag as `{device: flag}` (empty if not checked yet).
+
+        (Annotated as torch annotates it; the keys are devices.)
+        """
+        states = self._per_optimizer_states
+        flags = [
+            f
+            for leaf in leaves(optimizer)
+            for f in states[id(leaf)]["found_inf_per_device"].values()
+        ]
+        if not flags:
+            return _compat.ReadOnlyDict()
+        flag = combined(flags)
+        return _compat.ReadOnlyDict({flag.device: flag})
+
+    def _check_inf_per_device(self, optimizer: OptimizerTarget) -> dict[str, Any]:
+        """Check `optimizer`'s gradients (not unscaling them) and agree: one collective.
+
+        torch's optimizers of the `grad_scaler=` protocol call it from their `step()`; the
+        flag it returns, and records for `update()`, is the group's, alike on every rank.
+
+        Raises:
+            RuntimeError: no `scale()` yet on a rank alone (torch's words), or disabled.
+        """
+        if not self._enabled:
+            raise RuntimeError("_check_inf_per_device() was called on a disabled scaler")
+        scale = self._loss_scale("_check_inf_per_device", optimizer)
+        records = self._book.begin_step(leaves(optimizer))[0]
+        self._stepper.agree(self._book, scale, "_check_inf_per_device", check=records)
+        return self._found_inf_per_device(optimizer)
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool = True,
+    ) -> dict[torch.device, torch.Tensor]:
+        """torch's local unscale-and-check of `optimizer`'s gradients, on our gradient walk.
+
+        As torch's: multiplies by `inv_scale`, raises `found_inf` (and copies of it on other
+        devices), involves no other rank and records nothing (`shardscale._compat.unscale_grads`).
+        `allow_fp16` defaults to True, as in torch's ShardedGradScaler.
+        """
+        return _compat.unscale_grads(optimizer, inv_scale, found_inf, allow_fp16)
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scale and growth tracker tensors; torch's words if `scale()` never ran.
+
+        Raises:
+            RuntimeError: no state on a device yet (torch raises AssertionError, same words).
+        """
+        state = self._home.require(funcname)
+        return state.scale, state.growth_tracker
+
+    def _lazy_init_scale_growth_tracker(self, dev: str | torch.device) -> None:
+        """Put the state on `dev` now rather than at the first `scale()` (torch's private
+        hook: accelerate calls it after loading a state dict for FSDP2). A no-op once there."""
+        if self._enabled and self._home.device is None:
+            device = torch.device(dev)
+            if device.type != "cpu" and device.index is None:
+                module = torch.get_device_module(device.type)
+                device = torch.device(device.type, module.current_device())
+            self._home.at(device)
+
+    def _maybe_opt_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        optimizer_state: Mapping[str, Any],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """torch's helper: step `optimizer` unless `optimizer_state`'s flags say inf/NaN
+        (with our `_per_optimizer_states`, the agreed flag: every rank alike)."""
+        if not any(bool(flag.item()) for flag in optimizer_state["found_inf_per_device"].values()):
+            return optimizer.step(*args, **kwargs)
+        return None
+
+    def _step_passing_itself(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """torch's deprecated protocol: call `optimizer.step(grad_scaler=self)`, warning.
+
+        The optimizer unscales and skips itself; what it reads back is the agreed state.
+        """
+        optimizers = leaves(optimizer)
+        self._loss_scale("step", optimizer)
+        records, _adopted = self._book.begin_step(optimizers)
+        warnings.warn(_compat.GRAD_SCALER_WARNING, FutureWarning, stacklevel=3)
+        result = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+        flags = [record.verdict.flags for record in records if record.verdict is not None]
+        self._last = combined(flags) if flags else False
+        for record in records:
+            record.stage = Stage.STEPPED
+        return result
+
+
+def passes_itself(optimizer: object) -> bool:
+    """Whether torch's scalers would call `optimizer.step(grad_scaler=scaler)`: it declares
+    `_step_supports_amp_scaling` and its `step()` has a `grad_scaler` parameter (inspected on
+    every step, as torch does, but only for optimizers that declare the first)."""
+    step = getattr(optimizer, "step", None)
+    if not getattr(optimizer, "_step_supports_amp_scaling", False) or step is None:
+        return False
+    try:
+        return "grad_scaler" in inspect.signature(step).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False

@@ -182,14 +182,34 @@ def test_async_errors_name_the_rule() -> None:
         scaler.step(other)
     with pytest.raises(RuntimeError, match="with 1 iteration\\(s\\) in flight"):
         scaler.load_state_dict(ShardedGradScaler().state_dict())
-    with pytest.raises(NotImplementedError, match="clip_grad_norm_ is not supported"):
-        scaler.clip_grad_norm_([weights], 1.0)
     with pytest.raises(ValueError, match="does not take verify_every"):
         AsyncShardedGradScaler(verify_every=5)
     with pytest.raises(ValueError, match="step_timeout must be a finite time > 0, got 0"):
         AsyncShardedGradScaler(step_timeout=0)
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(scaler)
+
+
+def test_async_clip_on_the_optimizer_thread_clips_the_iteration_it_serves() -> None:
+    scaler = AsyncShardedGradScaler(init_scale=8.0)
+    weights = torch.ones(4, requires_grad=True)
+    master = torch.zeros(4, requires_grad=True)
+    optimizer = torch.optim.SGD([master], lr=1.0)
+    scaler.scale((weights * 3.0).sum()).backward()  # unscaled gradient: 3 per element, norm 6
+    grad, weights.grad = weights.grad, None
+
+    def optimizer_step() -> torch.Tensor:
+        master.grad = grad
+        norm = scaler.clip_grad_norm_([master], 1.0)
+        scaler.step(optimizer)
+        return norm
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        norm = pool.submit(optimizer_step).result(timeout=60)
+    scaler.update()
+    assert norm.item() == 6.0
+    torch.testing.assert_close(master.detach(), torch.full((4,), -0.5), rtol=1e-5, atol=0)
+    assert scaler.stats.steps == 1
 
 
 def test_async_scale_before_step_is_the_first_iterations_scale() -> None:

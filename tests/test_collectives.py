@@ -1,19 +1,21 @@
 """The scaler's collectives as a GPU job would run them, on a CPU: NCCL's errors, NCCL's waits.
 
 gloo cannot produce NCCL's behaviour, so its two backend-specific parts are stood in for here,
-and only those: a fake ``Work`` (what ``wait()`` raises, when it returns, whether it completed)
-and a fake group object (which device types it runs, which device it is bound to). The ballot on
-the ``meta`` device takes every accelerator branch; a dispatch mode counts the host reads and
-device-to-host copies of ``verify_agreement``, ``locate`` and ``gather_objects``
-(``tests.devicepath.DeviceCounter``, answering with the values the device would have held).
-Real gloo ranks check the async scaler's side group.
+and only those: a fake ``Work`` (what ``wait()`` raises, when it returns) and a fake group object
+(which device types it runs, which device it is bound to). The ballot on the ``meta`` device
+takes every accelerator branch; a dispatch mode counts the host reads and device-to-host copies of
+``verify_agreement``, ``locate`` and ``gather_objects`` (``tests.devicepath.DeviceCounter``,
+answering with the values the device would have held). Real gloo ranks check the async scaler's
+side group.
 
-Covered (audit ids): an NCCL timeout is "late", not "a rank left" (W1); ``sync_timeout`` on an
-accelerator never blocks the host at the collective, and is enforced at the next collective or at
-``settle()`` (M1/P1); the async scaler's own group is never made in the way that hangs with a
-bound device (W4); the communication device is the group's bound device, then the scale's, then
-the thread's current device (M2); one host transfer for ``locate``, two for ``gather_objects``,
-one for ``verify_agreement`` (P3, P6).
+Covered (audit ids): an NCCL timeout is "late", not "a rank left" (W1); on an accelerator
+backend the host never waits at the collective, and ``sync_timeout`` warns there that the
+process group's own timeout is the bound (M1/P1; ../shared/research/nccl-inflight-audit.md:
+NCCL's watchdog enforces that timeout and frees the GPU, which a host wait cannot); the async
+scaler's own group is never made in the way that hangs with a bound device, and carries
+``sync_timeout`` to its watchdog (W4); the communication device is the group's bound device,
+then the scale's, then the thread's current device (M2); one host transfer for ``locate``, two
+for ``gather_objects``, two for ``verify_agreement`` (P3, P6).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
+import warnings
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -29,8 +32,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardscale import ShardScaleDistributedError
-from shardscale._agree import Agreement
+from shardscale import ShardScaleDistributedError, ShardScaleWarning
+from shardscale._exchange import Exchange
 from shardscale._locate import locate
 from tests.devicepath import DeviceCounter
 
@@ -80,147 +83,130 @@ class _Group:
         self.bound_device_id = bound
 
 
-def _agreement(
-    timeout: float | None, group: object | None = None, world_size: int = 2
-) -> Agreement:
-    """An agreement over ``group`` as ``world_size`` ranks would see it, without a process group."""
-    agreement = Agreement(None, None if timeout is None else timedelta(seconds=timeout))
-    agreement._world_size = world_size
-    agreement._group = group  # type: ignore[assignment]
-    return agreement
+def _agreement(timeout: float | None, group: object | None = None, world_size: int = 2) -> Exchange:
+    """An exchange over ``group`` as ``world_size`` ranks would see it, without a process group."""
+    exchange = Exchange(None, None if timeout is None else timedelta(seconds=timeout))
+    exchange._world_size = world_size
+    exchange._group = group  # type: ignore[assignment]
+    return exchange
+
+
+def _agree_on_cpu(
+    exchange: Exchange, work: Any, monkeypatch: pytest.MonkeyPatch, step: int
+) -> None:
+    """One agreement whose all_reduce returns ``work`` (or calls it, if it is callable)."""
+
+    def all_reduce(*args: Any, **kwargs: Any) -> Any:
+        return work(kwargs["async_op"]) if callable(work) else work
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    ballot = exchange.ballot(torch.device("cpu"), holds_grads=True, has_scale=True)
+    exchange.agree(ballot, [], device=torch.device("cpu"), step=step)
 
 
 # ---------------------------------------------------------------------------- W1: late or gone
 
 
-def test_collective_nccl_watchdog_timeout_raised_at_once_is_reported_late() -> None:
+def test_collective_nccl_watchdog_timeout_raised_at_once_is_reported_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """NCCL's watchdog text never says "timed out"; it can arrive at once (audit §9.2)."""
     work = _Work(error=dist.DistBackendError(_NCCL_TIMEOUT))
-    agreement = _agreement(3.0)
     with pytest.raises(ShardScaleDistributedError) as caught:
-        agreement.collective(lambda async_op: work, 1, "the overflow flag (all_reduce)")  # type: ignore[arg-type, return-value]
+        _agree_on_cpu(_agreement(3.0), work, monkeypatch, 1)
     message = str(caught.value)
     assert message.startswith("step 1: waited 3 s for all 2 ranks of the process group")
     assert "the overflow flag (all_reduce)" in message
     assert "left" not in message
 
 
-def test_collective_error_after_the_whole_timeout_is_reported_late() -> None:
+def test_collective_error_after_the_whole_timeout_is_reported_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Whatever the text says: an error raised once the timeout has run out is the timeout."""
     work = _Work(error=RuntimeError("ProcessGroup operation failed"), block_s=0.3)
-    agreement = _agreement(0.3)
     with pytest.raises(ShardScaleDistributedError) as caught:
-        agreement.collective(lambda async_op: work, 7, "the overflow flag (all_reduce)")  # type: ignore[arg-type, return-value]
+        _agree_on_cpu(_agreement(0.3), work, monkeypatch, 7)
     assert str(caught.value).startswith("step 7: waited 0.3 s for all 2 ranks")
 
 
-def test_collective_broken_connection_is_reported_as_a_rank_that_left() -> None:
+def test_collective_wait_that_runs_out_is_reported_late(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gloo's ``wait(timeout)`` may also just return False when the time runs out."""
+    with pytest.raises(ShardScaleDistributedError, match=r"^step 3: waited 0.2 s for all 2"):
+        _agree_on_cpu(_agreement(0.2), _Work(done_after_s=None), monkeypatch, 3)
+
+
+def test_collective_broken_connection_is_reported_as_a_rank_that_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     work = _Work(error=dist.DistNetworkError("Connection reset by peer"))
-    agreement = _agreement(3.0)
     with pytest.raises(ShardScaleDistributedError) as caught:
-        agreement.collective(lambda async_op: work, 2, "the overflow flag (all_reduce)")  # type: ignore[arg-type, return-value]
+        _agree_on_cpu(_agreement(3.0), work, monkeypatch, 2)
     message = str(caught.value)
     assert message.startswith("step 2: exchanging the overflow flag (all_reduce) with the other 1")
     assert "a rank left the process group (Connection reset by peer)" in message
 
 
-def test_collective_without_timeout_nccl_watchdog_error_is_reported_late() -> None:
+def test_collective_without_timeout_nccl_watchdog_error_is_reported_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """With no ``sync_timeout`` the group's own timeout fires: still late, not gone."""
 
     def synchronous(async_op: bool) -> None:  # a blocking collective raises from the call
         assert not async_op
         raise dist.DistBackendError(_NCCL_TIMEOUT)
 
-    agreement = _agreement(None)
     with pytest.raises(ShardScaleDistributedError) as caught:
-        agreement.collective(synchronous, 4, "the overflow flag (all_reduce)")
+        _agree_on_cpu(_agreement(None), synchronous, monkeypatch, 4)
     assert str(caught.value).startswith(
         "step 4: waited out the process group's own timeout for all 2 ranks"
     )
 
 
-# ---------------------------------------------------------------- M1/P1: no host wait on NCCL
+# ------------------------------------------------------- M1/P1: no host wait on NCCL
 
 
 @pytest.fixture
-def nccl_on_meta(monkeypatch: pytest.MonkeyPatch) -> list[_Work]:
-    """``all_reduce``/``all_gather`` on a meta ballot through an NCCL-like group: each call
-    returns the next queued ``_Work`` (a completed one when none is queued)."""
-    queued: list[_Work] = []
-    issued: list[_Work] = []
+def nccl_on_meta(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """``all_reduce``/``all_gather`` on a meta ballot through an NCCL-like group: each call is
+    recorded (with whether it asked for a ``Work`` to wait on)."""
+    issued: list[dict[str, Any]] = []
 
     def collective(*args: Any, **kwargs: Any) -> _Work | None:
-        work = queued.pop(0) if queued else _Work()
-        issued.append(work)
-        return work if kwargs.get("async_op") else None
+        issued.append(kwargs)
+        return _Work() if kwargs.get("async_op") else None
 
     monkeypatch.setattr(dist, "all_reduce", collective)
     monkeypatch.setattr(dist, "all_gather", collective)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
-    monkeypatch.setattr(_Work, "queued", queued, raising=False)
     return issued
 
 
-def _meta_step(agreement: Agreement, step: int) -> torch.Tensor:
-    ballot = agreement.ballot(META, holds_grads=True, has_scale=True)
-    return agreement.agree(ballot, [], device=META, step=step).found_inf
+def _meta_step(exchange: Exchange, step: int) -> torch.Tensor:
+    ballot = exchange.ballot(META, holds_grads=True, has_scale=True)
+    return exchange.agree(ballot, [], device=META, step=step).found_inf
 
 
-def test_agree_on_an_accelerator_with_timeout_never_waits_on_the_host(
-    nccl_on_meta: list[_Work],
+def test_agree_on_an_accelerator_never_waits_on_the_host(
+    nccl_on_meta: list[dict[str, Any]],
 ) -> None:
-    agreement = _agreement(5.0, _Group(["meta"]))
+    exchange = _agreement(None, _Group(["meta"]))
     for step in (1, 2, 3):
-        _meta_step(agreement, step)
-    # Each is waited on by the stream at enqueue (no timeout: no host block), and checked
-    # for errors, done, at the next collective; the last one is still in flight.
-    assert [work.waits for work in nccl_on_meta] == [[None, None], [None, None], [None]]
+        _meta_step(exchange, step)
+    # Stream-ordered (async_op=False): nothing to wait on, no host synchronisation.
+    assert [call["async_op"] for call in nccl_on_meta] == [False, False, False]
 
 
-def test_agree_on_an_accelerator_late_rank_raises_at_the_next_collective_naming_its_step(
-    nccl_on_meta: list[_Work],
+def test_agree_on_an_accelerator_with_sync_timeout_warns_once_that_the_group_bounds_it(
+    nccl_on_meta: list[dict[str, Any]],
 ) -> None:
-    agreement = _agreement(0.2, _Group(["meta"]))
-    _Work.queued.append(_Work(done_after_s=None))  # type: ignore[attr-defined]
-    _meta_step(agreement, 1)  # enqueued; the host goes on
-    started = time.monotonic()
-    with pytest.raises(ShardScaleDistributedError) as caught:
-        _meta_step(agreement, 2)
-    assert str(caught.value).startswith("step 1: waited 0.2 s for all 2 ranks")
-    assert time.monotonic() - started < 1.0  # bounded from step 1's enqueue
-    assert len(nccl_on_meta) == 1  # step 2's collective was never enqueued
-
-
-def test_settle_waits_for_a_slow_collective_within_the_timeout_then_returns(
-    nccl_on_meta: list[_Work],
-) -> None:
-    agreement = _agreement(2.0, _Group(["meta"]))
-    _Work.queued.append(_Work(done_after_s=0.1))  # type: ignore[attr-defined]
-    _meta_step(agreement, 1)
-    agreement.settle()
-    assert nccl_on_meta[0].is_completed()
-    assert nccl_on_meta[0].waits == [None, None]  # enqueue's stream wait, settle's error check
-    agreement.settle()  # nothing in flight: free
-
-
-def test_settle_raises_late_for_a_collective_past_its_timeout(nccl_on_meta: list[_Work]) -> None:
-    agreement = _agreement(0.1, _Group(["meta"]))
-    _Work.queued.append(_Work(done_after_s=None))  # type: ignore[attr-defined]
-    _meta_step(agreement, 3)
-    with pytest.raises(ShardScaleDistributedError, match=r"^step 3: waited 0.1 s for all 2"):
-        agreement.settle()
-
-
-def test_settle_reports_nccl_watchdog_error_of_an_in_flight_collective_as_late(
-    nccl_on_meta: list[_Work],
-) -> None:
-    work = _Work(done_after_s=0.0)
-    agreement = _agreement(30.0, _Group(["meta"]))
-    _Work.queued.append(work)  # type: ignore[attr-defined]
-    _meta_step(agreement, 5)
-    work.error = dist.DistBackendError(_NCCL_TIMEOUT)  # the watchdog found it since
-    with pytest.raises(ShardScaleDistributedError, match=r"^step 5: waited 30 s for all 2"):
-        agreement.settle()
+    exchange = _agreement(5.0, _Group(["meta"]))
+    with pytest.warns(ShardScaleWarning, match=r"sync_timeout=5 s is not applied to the nccl"):
+        _meta_step(exchange, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _meta_step(exchange, 2)  # once per device, not per step
+    assert [call["async_op"] for call in nccl_on_meta] == [False, False]
 
 
 # ------------------------------------------------------------ W4: the async scaler's own group
@@ -277,7 +263,9 @@ def test_dedicated_proper_subgroup_with_bound_device_and_gloo_is_made_by_its_mem
     bound = torch.device("cuda", 0)
     monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [2, 3])
     _agreement(None, _Group(["cuda"], bound)).dedicated(backend="gloo")
-    assert new_groups == [{"ranks": [2, 3], "backend": "gloo", "use_local_synchronization": True}]
+    assert new_groups == [
+        {"ranks": [2, 3], "backend": "gloo", "use_local_synchronization": True, "timeout": None}
+    ]
     assert not _hangs(new_groups[0], bound)
 
 
@@ -289,16 +277,25 @@ def test_dedicated_of_a_gloo_subgroup_with_bound_device_keeps_gloo_and_its_membe
     monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [2, 3])
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
     _agreement(None, _Group(["cpu", "cuda"], bound)).dedicated()
-    assert new_groups == [{"ranks": [2, 3], "backend": "gloo", "use_local_synchronization": True}]
+    assert new_groups == [
+        {"ranks": [2, 3], "backend": "gloo", "use_local_synchronization": True, "timeout": None}
+    ]
     assert not _hangs(new_groups[0], bound)
 
 
-def test_dedicated_without_bound_device_is_made_by_the_groups_members_alone(
+def test_dedicated_without_bound_device_is_made_by_the_groups_members_alone_with_the_timeout(
     monkeypatch: pytest.MonkeyPatch, new_groups: list[dict[str, Any]]
 ) -> None:
     monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [2, 3])
-    _agreement(None, _Group(["cpu", "cuda"])).dedicated()
-    assert new_groups == [{"ranks": [2, 3], "backend": None, "use_local_synchronization": True}]
+    _agreement(7.0, _Group(["cpu", "cuda"])).dedicated()
+    assert new_groups == [
+        {
+            "ranks": [2, 3],
+            "backend": None,
+            "use_local_synchronization": True,
+            "timeout": timedelta(seconds=7),
+        }
+    ]
 
 
 def _rank_async_with_a_gloo_flag_group(rank: int, world_size: int) -> dict[str, Any]:
@@ -309,16 +306,17 @@ def _rank_async_with_a_gloo_flag_group(rank: int, world_size: int) -> dict[str, 
     param = torch.nn.Parameter(torch.zeros(2))
     optimizer = torch.optim.SGD([param], lr=1.0)
     scaler = AsyncShardedGradScaler(init_scale=4.0, flag_backend="gloo", sync_timeout=30)
-    group = scaler._agreement.process_group
+    group = scaler.process_group
     assert group is not None
     assert group is not dist.group.WORLD
     skipped = []
     with ThreadPoolExecutor(max_workers=1) as pool:
         for step in range(3):
-            value = float("inf") if (step == 1 and rank == 1) else 1.0
-            scaler.scale((param * value).sum()).backward()
+            scaler.scale(param.sum()).backward()
             grads = [param.grad]
             param.grad = None
+            if step == 1 and rank == 1:  # an overflow in this rank's gradient only
+                grads[0][0] = float("inf")
 
             def optimizer_step(grads: list[Any] = grads) -> None:
                 param.grad = grads[0]
@@ -492,7 +490,7 @@ def test_locate_reads_all_pieces_on_a_device_in_one_transfer() -> None:
 
 
 def test_gather_objects_reads_the_sizes_once_and_the_chunks_once(
-    nccl_on_meta: list[_Work],
+    nccl_on_meta: list[dict[str, Any]],
 ) -> None:
     mine, theirs = pickle.dumps(["a"]), pickle.dumps(["bcd", 4])
     longest = max(len(mine), len(theirs))
@@ -500,17 +498,19 @@ def test_gather_objects_reads_the_sizes_once_and_the_chunks_once(
     chunks[0, : len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
     chunks[1, : len(theirs)] = torch.frombuffer(bytearray(theirs), dtype=torch.uint8)
     sizes = torch.tensor([len(mine), len(theirs)])
-    agreement = _agreement(5.0, _Group(["meta"]))
-    agreement._accelerator = META  # the scale's device, as after a step on it
+    exchange = _agreement(None, _Group(["meta"]))
+    exchange._accelerator = META  # the scale's device, as after a step on it
     with _Transfers([sizes, chunks]) as transfers:
-        gathered = agreement.gather_objects(["a"], 1, "records")
+        gathered = exchange.gather_objects(["a"], 1, "records")
     assert gathered == [["a"], ["bcd", 4]]
     assert transfers.transfers == (0, 2)
-    assert all(work.waits == [None, None] for work in nccl_on_meta)
+    assert [call["async_op"] for call in nccl_on_meta] == [False, False]
 
 
-def test_compare_costs_one_transfer_and_names_what_differs(nccl_on_meta: list[_Work]) -> None:
-    agreement = _agreement(5.0, _Group(["meta"]))
+def test_compare_costs_one_transfer_and_names_what_differs(
+    nccl_on_meta: list[dict[str, Any]],
+) -> None:
+    agreement = _agreement(None, _Group(["meta"]))
     values = torch.zeros(2, dtype=torch.float64, device=META)
     with _Transfers() as transfers:
         agreement.compare(values, ["scale", "steps"], 3)
@@ -523,34 +523,16 @@ def test_compare_costs_one_transfer_and_names_what_differs(nccl_on_meta: list[_W
     )
 
 
-def test_verify_agreement_of_a_device_state_costs_one_transfer(
-    nccl_on_meta: list[_Work],
+def test_verify_agreement_of_a_device_state_costs_two_transfers(
+    nccl_on_meta: list[dict[str, Any]],
 ) -> None:
+    """The state, read once, and every rank's values, gathered once."""
     from shardscale import ShardedGradScaler
 
     scaler = ShardedGradScaler(init_scale=8.0)
-    scaler._agreement = _agreement(5.0, _Group(["meta"]))
+    scaler._exchange = _agreement(None, _Group(["meta"]))
+    scaler._stepper.exchange = scaler._exchange
     scaler._home.at(META)
-    with _Transfers():
-        scaler.verify_agreement()  # warm: the policy's settings are made on the device once
     with _Transfers() as transfers:
         scaler.verify_agreement()
-    assert transfers.transfers == (0, 1)
-
-
-def test_state_fields_of_a_device_state_equal_the_state_dict() -> None:
-    from shardscale._checkpoint import Counters, ScalerState, to_state_dict
-    from shardscale._device_state import DeviceState, state_fields
-    from shardscale._policy import ScalePolicy, ScaleState
-
-    policy = ScalePolicy(hysteresis=3, max_scale=2.0**20)
-    state = ScalerState(
-        policy=policy,
-        scale=ScaleState(scale=512.0, growth_tracker=7, hysteresis_tracker=2),
-        counters=Counters(steps=40, skipped_steps=3, consecutive_skips=1, last_overflow_step=38),
-    )
-    expected = to_state_dict(state)
-    for source in (state, DeviceState.create(state, torch.device("cpu"))):
-        names, values = state_fields(source, policy)
-        assert names == list(expected)
-        assert values.tolist() == [float(v) for v in expected.values()]
+    assert transfers.transfers == (0, 2)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from shardscale import ShardedGradScaler
-from shardscale._walk import GradCache, _flat_layout
+from shardscale._grads import GradWalk, _flat_entries
 from tests.harness import run_ranks
 
 
@@ -25,7 +25,7 @@ def _params_with_grads(grads: list[torch.Tensor]) -> list[nn.Parameter]:
 
 def _tiled(*views: torch.Tensor) -> bool:
     """Whether the layout takes ``views`` as one buffer (one entry), not one by one."""
-    entries = _flat_layout(list(views), list(range(len(views))))
+    entries = _flat_entries(list(views), list(range(len(views))))
     return entries == [tuple(range(len(views)))]
 
 
@@ -40,34 +40,41 @@ def test_flat_buffer_only_when_views_tile_it_exactly() -> None:
     assert not _tiled(base[0:5], torch.arange(5.0))  # another storage
 
 
-def test_grad_cache_reuses_its_layout_while_the_gradients_are_the_same_objects() -> None:
+def _sizes(walk: GradWalk, params: list[nn.Parameter]) -> list[int]:
+    groups, _plain, _holds = walk.groups("k", params)
+    return [t.numel() for t in groups[(torch.device("cpu"), torch.float32)]]
+
+
+def test_grad_walk_reuses_its_layout_while_the_gradients_are_the_same_objects() -> None:
     base = torch.zeros(12)
     params = _params_with_grads([base[0:4].view(2, 2), base[4:12]])
-    cache = GradCache()
-    first = cache.walk("k", params)
-    assert [t.numel() for t in first.kernel_groups()[(torch.device("cpu"), torch.float32)]] == [
-        4,
-        8,
-    ]  # first sighting: per tensor
-    second = cache.walk("k", params)
-    assert second._layout is first._layout
-    (flat,) = second.kernel_groups()[(torch.device("cpu"), torch.float32)]
+    walk = GradWalk()
+    assert _sizes(walk, params) == [4, 8]  # first sighting: per tensor
+    first = walk._layouts["k"]
+    groups, _plain, _holds = walk.groups("k", params)
+    assert walk._layouts["k"] is first
+    (flat,) = groups[(torch.device("cpu"), torch.float32)]
     assert flat.data_ptr() == base.data_ptr()  # seen twice: the whole buffer
     assert flat.numel() == 12
     params[1].grad = base[4:12].clone()  # a new gradient object (set_to_none, reassignment)
-    third = cache.walk("k", params)
-    assert third._layout is not first._layout
-    assert [t.numel() for t in third.kernel_groups()[(torch.device("cpu"), torch.float32)]] == [
-        4,
-        8,
-    ]
+    assert _sizes(walk, params) == [4, 8]
+    assert walk._layouts["k"] is not first
 
 
-def test_grad_cache_keeps_no_gradient_alive() -> None:
+def test_grad_walk_norm_groups_take_the_flat_buffer_at_once() -> None:
+    base = torch.zeros(12)
+    params = _params_with_grads([base[0:4], base[4:12]])
+    groups, plain, holds = GradWalk().groups("clip", params, 1)
+    assert [t.numel() for t in groups[(torch.device("cpu"), torch.float32, 1)]] == [12]
+    assert plain
+    assert holds
+
+
+def test_grad_walk_keeps_no_gradient_alive() -> None:
     params = _params_with_grads([torch.ones(4), torch.ones(4)])
-    cache = GradCache()
-    cache.walk("k", params)
-    cache.walk("k", params)  # laid out flat too
+    walk = GradWalk()
+    walk.groups("k", params)
+    walk.groups("k", params)  # laid out flat too
     watched = weakref.ref(params[0].grad)  # type: ignore[arg-type]
     for param in params:
         param.grad = None  # zero_grad(set_to_none=True)
@@ -78,10 +85,10 @@ def test_grad_cache_keeps_no_gradient_alive() -> None:
 def test_sparse_gradients_are_walked_every_time() -> None:
     embedding = nn.Embedding(10, 4, sparse=True)
     embedding(torch.tensor([1, 1, 2])).sum().backward()
-    cache = GradCache()
-    first = cache.walk("k", embedding.parameters())
+    walk = GradWalk()
+    walk.groups("k", embedding.parameters())
     assert embedding.weight.grad.is_coalesced()  # type: ignore[union-attr]
-    assert cache.walk("k", embedding.parameters())._layout is not first._layout
+    assert "k" not in walk._layouts
 
 
 def _rank_fsdp2_train(rank: int, world_size: int, even: bool, set_to_none: bool) -> dict[str, Any]:
@@ -110,11 +117,11 @@ def _rank_fsdp2_train(rank: int, world_size: int, even: bool, set_to_none: bool)
             scaler.update()
         results[name] = [p.to_local().detach().clone() for p in model.parameters()]
         if name == "ours":  # did the check take whole buffers?
-            layouts = scaler._stepper._cache._layouts.values()
+            layouts = scaler._stepper._walk._layouts.values()
             flat = any(
                 isinstance(entry, tuple)
                 for layout in layouts
-                for entries in (layout.flat or {}).values()
+                for entries in layout.entries.values()
                 for entry in entries
             )
     return {
@@ -207,13 +214,13 @@ def _rank_replica_counts_follow_the_gradients_layout(rank: int, world_size: int)
 
     mesh = init_device_mesh("cpu", (world_size,))
     param = nn.Parameter(DTensor.from_local(torch.zeros(4), mesh, [Shard(0)]))
-    cache = GradCache()
+    walk = GradWalk()
     counts = []
     # a new, equal spec each time (DTensor.from_local); the placements change in the middle
     for placement in (Shard(0), Shard(0), Replicate(), Replicate(), Shard(0)):
         local = torch.ones(4 if isinstance(placement, Shard) else 4 * world_size)
         param.grad = DTensor.from_local(local, mesh, [placement])
-        groups, plain = cache.walk("k", [param]).norm_groups(plain_replicas=world_size)
+        groups, plain, _holds = walk.groups("k", [param], world_size)
         assert not plain
         ((_device, _dtype, replicas),) = groups
         counts.append(replicas)

@@ -112,10 +112,13 @@ def test_property_state_dict_round_trips_ours_and_through_torch(
     ours.load_state_dict(state)
     # float32 is what the scale tensor holds; everything else is exact
     # a dict without format_version is the first format's: it loads, and saves as the newest
+    # (with the counters the first format lacks, at 0)
     expected = {
         **state,
         "scale": torch.tensor(state["scale"]).item() if materialized else state["scale"],
-        "format_version": 1,
+        "forward_overflows": 0,
+        "retries": 0,
+        "format_version": 2,
     }
     assert ours.state_dict() == expected
     theirs = torch.amp.GradScaler("cpu")

@@ -51,6 +51,7 @@ def test_load_state_dict_before_first_scale_is_used_by_it() -> None:
 
 
 _GOOD = ShardedGradScaler(init_scale=8.0, growth_interval=4, hysteresis=2).state_dict()
+_V2_KEYS = ("format_version", "forward_overflows", "retries")  # what format 0 lacks
 
 
 @pytest.mark.parametrize(
@@ -83,7 +84,7 @@ _GOOD = ShardedGradScaler(init_scale=8.0, growth_interval=4, hysteresis=2).state
             ValueError,
             r"_growth_tracker must be in \[0, growth_interval\) = \[0, 4\), got 4",
         ),
-        ({**_GOOD, "_growth_tracker": 1.5}, TypeError, r"must be an int, got 1.5"),
+        ({**_GOOD, "_growth_tracker": 1.5}, TypeError, r"must be an int, got float: 1.5"),
         (
             {**_GOOD, "_hysteresis_tracker": 3},
             ValueError,
@@ -108,12 +109,17 @@ _GOOD = ShardedGradScaler(init_scale=8.0, growth_interval=4, hysteresis=2).state
         ),
         ([("scale", 1.0)], TypeError, r"state_dict must be a mapping, got list"),
         (
-            {**_GOOD, "format_version": 2},
+            {**_GOOD, "format_version": 3},
             ValueError,
-            r"format_version'\] must be one of \[0, 1\], got 2: a newer shardscale saved it",
+            r"format_version'\] must be one of \[0, 1, 2\], got 3: a newer shardscale saved it",
         ),
         (
-            {k: v for k, v in _GOOD.items() if k != "format_version"} | {"new_key": 1},
+            {**_GOOD, "forward_overflows": 1},
+            ValueError,
+            r"0 <= forward_overflows <= skipped_steps.*got forward_overflows=1, skipped_steps=0",
+        ),
+        (
+            {k: v for k, v in _GOOD.items() if k not in _V2_KEYS} | {"new_key": 1},
             ValueError,
             r"unknown key\(s\) \['new_key'\] for format version 0",
         ),
@@ -136,13 +142,19 @@ def test_load_bad_state_dict_raises_and_leaves_scaler_unchanged(
     assert scaler.get_growth_interval() == 3
 
 
-def test_state_dict_is_versioned_and_the_first_format_still_loads() -> None:
-    """shardscale 0.1 saved no format_version (format 0): its checkpoints keep loading."""
+@pytest.mark.parametrize("version", [0, 1])
+def test_state_dict_is_versioned_and_older_formats_still_load(version: int) -> None:
+    """shardscale 0.1 saved no format_version (format 0), format 1 no forward-overflow and
+    retry counters: their checkpoints keep loading, those counters starting at 0."""
     scaler = ShardedGradScaler(init_scale=16.0, growth_interval=3, hysteresis=2)
     overflow_steps(scaler, [False, True, False])
     saved = scaler.state_dict()
-    assert saved["format_version"] == 1
-    old = {k: v for k, v in saved.items() if k != "format_version"}
+    assert saved["format_version"] == 2
+    assert (saved["forward_overflows"], saved["retries"]) == (0, 0)
+    new_keys = {"forward_overflows", "retries"} | ({"format_version"} if version == 0 else set())
+    old = {k: v for k, v in saved.items() if k not in new_keys}
+    if version == 1:
+        old["format_version"] = 1
     loaded = ShardedGradScaler(hysteresis=2)
     loaded.load_state_dict(old)
     assert loaded.state_dict() == saved

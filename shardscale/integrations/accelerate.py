@@ -98,8 +98,8 @@ def _reporting_skips(prepare_optimizer: Any, scaler: ShardedGradScaler) -> Any:
             if self.gradient_state.sync_gradients:  # a step happened (not accumulating)
                 # The agreed decision, unread: a fused optimizer's is a device flag, read
                 # (one host sync) only if step_was_skipped is asked.
-                self._shardscale_skip = scaler._last_skip
-                self._shardscale_read = scaler._agreement.read_flag
+                self._shardscale_scaler = scaler
+                self._shardscale_skip = None  # read at most once, when asked
             return result
 
         # A bound method, as torch's LR schedulers expect to find (they wrap it in turn).
@@ -123,12 +123,12 @@ def _reading_skips_lazily(optimizer_class: type) -> type:
     """
 
     def step_was_skipped(self: Any) -> bool:
-        decision = self.__dict__.get("_shardscale_skip")
-        if decision is None:  # no synced step yet
+        scaler = self.__dict__.get("_shardscale_scaler")
+        if scaler is None:  # no synced step yet
             return bool(self._is_overflow)
-        if not isinstance(decision, bool):  # a device flag: one host read, kept for the step
-            decision = self._shardscale_skip = bool(self._shardscale_read(decision))
-        return bool(decision)
+        if self._shardscale_skip is None:  # a fused step's decision: one host read, kept
+            self._shardscale_skip = bool(scaler.last_step_skipped)
+        return bool(self._shardscale_skip)
 
     return type(
         optimizer_class.__name__,

@@ -26,7 +26,6 @@ from lightning.fabric.plugins.precision.amp import MixedPrecision as _FabricMixe
 from lightning.pytorch.plugins.precision import MixedPrecision as _TrainerMixedPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
-from shardscale._optimizers import takes_scale
 from shardscale.scaler import ShardedGradScaler
 
 __all__ = ["FabricPrecision", "TrainerPrecision"]
@@ -135,6 +134,6 @@ class TrainerPrecision(_TrainerMixedPrecision):  # type: ignore[misc]
 
     def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         """Unscale fused optimizers' gradients (the others are unscaled by now), then clamp."""
-        if takes_scale(optimizer):
+        if getattr(optimizer, "_step_supports_amp_scaling", False):  # fused: steps itself
             self.scaler.unscale_(optimizer)
         super().clip_grad_by_value(optimizer, clip_val)

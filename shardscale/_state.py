@@ -1,0 +1,412 @@
+"""The scaler's state: on the device where each step updates it, and in its checkpoint format.
+
+Invariant: between two `update()` calls the device tensors hold exactly what a state dict would
+read back (one host read, `DeviceState.packed`, gets all of it); a state dict is loaded whole or
+not at all (`parse_state_dict` validates every key, value and relation before anything changes).
+
+Checkpoints load both ways with torch's scalers: our state dict carries torch's five keys with
+torch's meanings (`scale`, `growth_factor`, `backoff_factor`, `growth_interval`,
+`_growth_tracker`), which is all `torch.amp.GradScaler.load_state_dict` reads; ours adds the
+hysteresis settings, the floor and ceiling, `dynamic`, the step counters and `format_version`.
+A torch state dict has none of our keys and loads with our current settings, a full hysteresis
+allowance and zeroed counters. Each format version has its own set of our keys, all required (a
+dict with only some of them is damaged): version 0 (no `format_version`) and 1 lack the
+forward-overflow and retry counters of version 2, which then start at 0; a dict from a newer
+shardscale is refused. All values are Python numbers, identical on every rank, so
+`torch.distributed.checkpoint` stores one copy and loads it at any world size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+from shardscale._errors import no_scale_message
+from shardscale._policy import ScalePolicy, ScaleState, check_bool, check_int, check_real
+
+FORMAT_VERSION = 2
+"""The version `state_dict()` writes."""
+
+TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+_V0_KEYS = (
+    "hysteresis",
+    "_hysteresis_tracker",
+    "min_scale",
+    "max_scale",
+    "dynamic",
+    "steps",
+    "skipped_steps",
+    "consecutive_skips",
+    "last_overflow_step",
+)
+_V1_KEYS = (*_V0_KEYS, "format_version")
+OUR_KEYS_BY_VERSION: dict[int, tuple[str, ...]] = {
+    0: _V0_KEYS,
+    1: _V1_KEYS,
+    2: (*_V1_KEYS, "forward_overflows", "retries"),
+}
+"""Our keys in each format version: all of them, or none (a torch state dict)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Counters:
+    """How many steps the scaler has seen, skipped and retried."""
+
+    steps: int = 0
+    """`update()` calls that consumed a step's overflow check."""
+    skipped_steps: int = 0
+    """Of those, the steps skipped because some rank overflowed (gradients or loss)."""
+    consecutive_skips: int = 0
+    """Skipped steps since the last step taken."""
+    last_overflow_step: int = 0
+    """The number (1-based) of the last skipped step; 0 if none was skipped."""
+    forward_overflows: int = 0
+    """Of the skipped steps, those whose loss was non-finite on some rank (the scale held)."""
+    retries: int = 0
+    """Times `step(closure=...)` backed off and ran a batch again after a gradient overflow."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScalerState:
+    """Everything a state dict holds."""
+
+    policy: ScalePolicy
+    scale: ScaleState
+    counters: Counters
+
+
+def to_state_dict(state: ScalerState) -> dict[str, Any]:
+    """The state as a flat dict of Python numbers, torch's keys first."""
+    policy = state.policy
+    return {
+        "scale": state.scale.scale,
+        "growth_factor": policy.growth_factor,
+        "backoff_factor": policy.backoff_factor,
+        "growth_interval": policy.growth_interval,
+        "_growth_tracker": state.scale.growth_tracker,
+        "hysteresis": policy.hysteresis,
+        "_hysteresis_tracker": state.scale.hysteresis_tracker,
+        "min_scale": policy.min_scale,
+        "max_scale": policy.max_scale,
+        "dynamic": policy.dynamic,
+        **{f.name: getattr(state.counters, f.name) for f in fields(Counters)},
+        "format_version": FORMAT_VERSION,
+    }
+
+
+def _number(state_dict: Mapping[str, Any], key: str, kind: type[int] | type[float]) -> Any:
+    """`state_dict[key]` as an int or a float (a one-element tensor, an integral float taken)."""
+    value = state_dict[key]
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    name = f"state_dict[{key!r}]"
+    return check_int(name, value) if kind is int else check_real(name, value)
+
+
+def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> ScalerState:
+    """Validate `state_dict` whole and return the state it describes.
+
+    Args:
+        state_dict: from `state_dict()` of this class or of a torch scaler.
+        current: the loading scaler's policy, kept for settings a torch state dict lacks.
+
+    Raises:
+        RuntimeError: the dict is empty (saved by a disabled scaler), as torch words it.
+        ValueError: keys are missing or unknown, or a value breaks a rule (named with the value).
+        TypeError: a value has the wrong type.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+    if len(state_dict) == 0:
+        raise RuntimeError(
+            "The source state dict is empty, possibly because it was saved "
+            "from a disabled instance of GradScaler."
+        )
+    keys = set(state_dict)
+    version = _version(state_dict)
+    our_keys = OUR_KEYS_BY_VERSION[version]
+    known = {*TORCH_KEYS, *our_keys}
+    unknown = sorted(str(k) for k in keys - known)
+    if unknown:
+        raise ValueError(
+            f"state_dict has unknown key(s) {unknown} for format version {version}; expected "
+            f"{sorted(known)}"
+        )
+    missing = [k for k in TORCH_KEYS if k not in keys]
+    if missing:
+        raise ValueError(f"state_dict is missing required key(s) {missing}")
+    absent = [k for k in our_keys if k not in keys]
+    ours = len(absent) < len(our_keys)
+    if ours and absent:
+        raise ValueError(
+            f"state_dict has some of shardscale's keys but not {absent}: it is damaged "
+            "(a torch scaler's state dict has none of them, ours has all)"
+        )
+    policy_changes: dict[str, Any] = {
+        "growth_factor": _number(state_dict, "growth_factor", float),
+        "backoff_factor": _number(state_dict, "backoff_factor", float),
+        "growth_interval": _number(state_dict, "growth_interval", int),
+    }
+    scale = _number(state_dict, "scale", float)
+    growth_tracker = _number(state_dict, "_growth_tracker", int)
+    if not math.isfinite(scale) or scale <= 0.0:
+        raise ValueError(f"state_dict['scale'] must be finite and > 0, got {scale}")
+    counters = Counters()
+    hysteresis_tracker: int | None = None  # None: a torch state dict, the allowance starts full
+    if ours:
+        policy_changes.update(
+            hysteresis=_number(state_dict, "hysteresis", int),
+            min_scale=_number(state_dict, "min_scale", float),
+            max_scale=_number(state_dict, "max_scale", float),
+            dynamic=check_bool("state_dict['dynamic']", state_dict["dynamic"]),
+        )
+        hysteresis_tracker = _number(state_dict, "_hysteresis_tracker", int)
+        # counters an older format lacks start at 0
+        names = [f.name for f in fields(Counters) if f.name in keys]
+        counters = Counters(**{name: _number(state_dict, name, int) for name in names})
+    policy = replace(current, **policy_changes)  # ScalePolicy validates the settings
+    scale_state = ScaleState(
+        scale=scale,
+        growth_tracker=growth_tracker,
+        hysteresis_tracker=policy.hysteresis if hysteresis_tracker is None else hysteresis_tracker,
+    )
+    policy.check_state(scale_state)
+    _check_counters(counters)
+    return ScalerState(policy=policy, scale=scale_state, counters=counters)
+
+
+def _check_counters(counters: Counters) -> None:
+    if not 0 <= counters.consecutive_skips <= counters.skipped_steps <= counters.steps:
+        raise ValueError(
+            "state_dict counters must satisfy 0 <= consecutive_skips <= skipped_steps <= steps, "
+            f"got consecutive_skips={counters.consecutive_skips}, "
+            f"skipped_steps={counters.skipped_steps}, steps={counters.steps}"
+        )
+    if not (
+        (counters.skipped_steps == 0 and counters.last_overflow_step == 0)
+        or (counters.skipped_steps > 0 and 1 <= counters.last_overflow_step <= counters.steps)
+    ):
+        raise ValueError(
+            "state_dict['last_overflow_step'] must be 0 when no step was skipped, else in "
+            f"[1, steps]; got last_overflow_step={counters.last_overflow_step}, "
+            f"skipped_steps={counters.skipped_steps}, steps={counters.steps}"
+        )
+    if not 0 <= counters.forward_overflows <= counters.skipped_steps or counters.retries < 0:
+        raise ValueError(
+            "state_dict counters must satisfy 0 <= forward_overflows <= skipped_steps and "
+            f"retries >= 0, got forward_overflows={counters.forward_overflows}, "
+            f"skipped_steps={counters.skipped_steps}, retries={counters.retries}"
+        )
+
+
+def _version(state_dict: Mapping[str, Any]) -> int:
+    """The format version of `state_dict`: its `format_version`, 0 without one."""
+    if "format_version" not in state_dict:
+        return 0
+    version: int = _number(state_dict, "format_version", int)
+    if version not in OUR_KEYS_BY_VERSION:
+        raise ValueError(
+            f"state_dict['format_version'] must be one of {sorted(OUR_KEYS_BY_VERSION)}, got "
+            f"{version}: a newer shardscale saved it"
+        )
+    return version
+
+
+# The step counter's update, `counters = counters * rows[0] + rows[1]`, with `rows` linear in the
+# agreed flags (s: the step was skipped, l: of which for a forward overflow):
+#   rows[0] = [1, 1, s, 1 - s, 1, 1, 0]
+#   rows[1] = [1, s, s, 1 - s, l, 0, s - l]
+# for [steps, skipped, consecutive, since the last overflow, forward overflows, retries] and one
+# more slot, s - l, the gradient overflow the scale policy backs off for.
+_COUNT_BASE = [[1, 1, 0, 1, 1, 1, 0], [1, 0, 0, 1, 0, 0, 0]]
+_COUNT_SLOPES = [
+    [[0, 0, 1, -1, 0, 0, 0], [0, 1, 1, -1, 0, 0, 1]],
+    [[0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 1, 0, -1]],
+]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceState:
+    """The scale state as tensors on the loss's device, where the hot path updates it.
+
+    Kept on the device so that `update()` needs no host synchronisation, and counted there, not
+    on the host, so that the counts stay right when step+update is replayed from a CUDA graph;
+    read back to host values only for `state_dict()`, `stats` and `get_scale()`.
+    """
+
+    scale: torch.Tensor
+    """float32 scalar."""
+    growth_tracker: torch.Tensor
+    """int32 scalar."""
+    hysteresis_tracker: torch.Tensor
+    """int32 scalar."""
+    counters: torch.Tensor
+    """float64 `[steps, skipped_steps, consecutive_skips, steps since the last overflow,
+    forward_overflows, retries]` (exact to 2**53). Steps since the last overflow rather than its
+    step number, because it updates with the same multiply-add as the others."""
+    count_base: torch.Tensor
+    """`_COUNT_BASE` on this device (float32, 1 x 14)."""
+    count_slopes: torch.Tensor
+    """`_COUNT_SLOPES` on this device (float32, 2 x 14)."""
+
+    @classmethod
+    def create(cls, state: ScalerState, device: torch.device) -> DeviceState:
+        """Tensors on `device` holding `state`."""
+        device_state = cls(
+            scale=torch.empty((), dtype=torch.float32, device=device),
+            growth_tracker=torch.empty((), dtype=torch.int32, device=device),
+            hysteresis_tracker=torch.empty((), dtype=torch.int32, device=device),
+            counters=torch.zeros(6, dtype=torch.float64, device=device),
+            count_base=torch.tensor(_COUNT_BASE, dtype=torch.float32, device=device).view(1, 14),
+            count_slopes=torch.tensor(_COUNT_SLOPES, dtype=torch.float32, device=device).view(
+                2, 14
+            ),
+        )
+        device_state.write(state)
+        return device_state
+
+    def write(self, state: ScalerState) -> None:
+        """Overwrite the tensors in place with `state` (keeping their identity)."""
+        self.scale.fill_(state.scale.scale)
+        self.growth_tracker.fill_(state.scale.growth_tracker)
+        self.hysteresis_tracker.fill_(state.scale.hysteresis_tracker)
+        c = state.counters
+        since = c.steps - c.last_overflow_step
+        values = (
+            c.steps,
+            c.skipped_steps,
+            c.consecutive_skips,
+            since,
+            c.forward_overflows,
+            c.retries,
+        )
+        self.counters.copy_(torch.tensor(values, dtype=torch.float64))
+
+    def apply_(
+        self,
+        policy: ScalePolicy,
+        flags: torch.Tensor,
+        clean: bool,
+        manual: torch.Tensor | None = None,
+    ) -> None:
+        """Count one step and move the scale, from the agreed flags, without a host sync.
+
+        Args:
+            flags: float32 `[skipped, forward overflow]`, each exactly 0.0 or 1.0 (a forward
+                overflow is a skip: the second is never above the first).
+            clean: the host read the flags and the step was not skipped (a plain step's
+                decision): there is no forward overflow to hold the scale for, saving two
+                kernels.
+            manual: set the scale to this instead of moving it (`update(new_scale=...)`).
+        """
+        rows = torch.addmm(self.count_base, flags.view(1, 2), self.count_slopes).view(2, 7)
+        torch.addcmul(rows[1, :6], self.counters, rows[0, :6], out=self.counters)
+        state = (self.scale, self.growth_tracker, self.hysteresis_tracker)
+        if manual is not None:
+            self.scale.copy_(manual)
+        elif clean:
+            policy.update_(*state, flags[0])
+        else:  # a gradient overflow backs off (found: skip - forward); a forward one holds
+            policy.update_(*state, rows[1, 6], flags[1])
+
+    def packed(self) -> torch.Tensor:
+        """`[scale, growth_tracker, hysteresis_tracker, *counters]` as one float64 tensor.
+
+        One host read then gets everything (`read`, and the step reports).
+        """
+        return torch.cat(
+            (
+                self.scale.double().reshape(1),
+                self.growth_tracker.double().reshape(1),
+                self.hysteresis_tracker.double().reshape(1),
+                self.counters,
+            )
+        )
+
+
+def unpack(values: list[float]) -> tuple[ScaleState, Counters]:
+    """The host values of `DeviceState.packed()`."""
+    scale, growth, hysteresis, steps, skipped, consecutive, since, forward, retries = values
+    last_overflow = steps - since if skipped else 0
+    counters = Counters(*map(int, (steps, skipped, consecutive, last_overflow, forward, retries)))
+    return ScaleState(scale, int(growth), int(hysteresis)), counters
+
+
+class ScaleHome:
+    """Where this rank's scale state lives, and the one answer to "does this rank hold a scale?".
+
+    The state stays on the host (`host`) until `scale()` puts it where the loss is
+    ([`at()`][at]): this rank scaled. A rank that never scales (a pipeline stage before
+    the last) gets it where its gradients are when it first steps
+    ([`for_gradients()`][for_gradients]), *unconfirmed*: it checks its gradients but modifies
+    nothing until the group's first agreement shows that some rank scaled
+    ([`confirm()`][confirm]). Every change to the state goes through this object.
+    """
+
+    def __init__(self, host: ScalerState) -> None:
+        self.host = host
+        """The state on the host: all of it before a device holds it; after, its policy and
+        the values the state started from (torch's `_init_scale`)."""
+        self.device: DeviceState | None = None
+        """The state on its device, once a loss or a step put it there."""
+        self.scaled_here = False
+        """Whether this rank called `scale()`."""
+        self.unconfirmed = False
+        """The state was put here by a step, not by `scale()`, and no agreement has yet
+        confirmed that some rank scales."""
+
+    def at(self, device: torch.device, *, loss: bool = False) -> DeviceState:
+        """The state on `device`, put there now if no device holds it yet; `loss`: for a loss
+        on `device` (this rank scales; the scale lives where the first loss does)."""
+        self.scaled_here = self.scaled_here or loss
+        if self.device is None:
+            self.device = DeviceState.create(self.host, device)
+        return self.device
+
+    def for_gradients(self, device: torch.device) -> DeviceState:
+        """The state for a rank that steps without having scaled: where its gradients are,
+        unconfirmed until the group agrees that some rank scaled."""
+        if self.device is None:
+            self.unconfirmed = True
+        return self.at(device)
+
+    def confirm(self) -> None:
+        """The group agreed that some rank scaled: this rank may now modify its gradients."""
+        self.unconfirmed = False
+
+    def require(self, funcname: str) -> DeviceState:
+        """The state on its device; torch's error if no `scale()` (or step) put it there.
+
+        Raises:
+            RuntimeError: no state on a device yet, in torch's words.
+        """
+        if self.device is None:
+            raise RuntimeError(no_scale_message(funcname))
+        return self.device
+
+    def set_policy(self, **changes: Any) -> None:
+        """Change policy settings (validated by `ScalePolicy`)."""
+        self.host = replace(self.host, policy=replace(self.host.policy, **changes))
+
+    def set_start(self, **changes: Any) -> None:
+        """Change the values the state starts from on a device (torch's `_init_scale`...)."""
+        self.host = replace(self.host, scale=replace(self.host.scale, **changes))
+
+    def load(self, state: ScalerState) -> None:
+        """Take `state` (a loaded state dict), on the host and, if one holds it, the device."""
+        self.host = state
+        if self.device is not None:
+            self.device.write(state)
+
+    def read(self) -> ScalerState:
+        """The whole state as host values: one host read once a device holds it."""
+        if self.device is None:
+            return self.host
+        scale, counters = unpack(self.device.packed().tolist())
+        return ScalerState(policy=self.host.policy, scale=scale, counters=counters)
