@@ -57,7 +57,8 @@ class Case:
     flavour: str
     scaler: str
     plant: str = "grad"
-    """Where rank 1's inf goes: "grad" (its local gradient shard) or "input" (its batch)."""
+    """Where the inf goes: "grad" (rank 1's local gradient shard, second iteration), "input"
+    (rank 1's batch, second iteration) or "every rank" (every rank's shard, every iteration)."""
 
 
 def _scaler(name: str) -> Any:
@@ -228,7 +229,7 @@ def _run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
         overflow = step == 1 and rank == OVERFLOW_RANK
         try:
             job.forward_backward(step, scaler, inf_input=overflow and case.plant == "input")
-            if overflow and case.plant == "grad":
+            if (overflow and case.plant == "grad") or case.plant == "every rank":
                 job.plant()
             before = job.local_params()
             with count_collectives() as counts:
@@ -245,7 +246,8 @@ def _run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
             error = f"{type(caught).__name__}: {str(caught).splitlines()[0]}"
         if _any_rank(error is not None):
             break
-    return {"raised": error, "steps": steps}
+    nan = any(not bool(torch.isfinite(p).all()) for p in job.local_params())
+    return {"raised": error, "steps": steps, "nan_params": nan}
 
 
 def _rank_matrix(rank: int, world_size: int, cases: list[Case]) -> dict[str, Any]:
@@ -369,10 +371,13 @@ NATURAL = {
     Case("ddp", "foreach", s, plant="input"): ("agrees", 0 if s == AMP else 1)
     for s in (AMP, SHARDED, OURS)
 }
+# torch's sharded scaler, unscale_() then a fused AdamW, an inf on every rank: found_inf sums
+# to 2.0, and the fused kernel, which skips only on 1.0, steps with the infs before the raise.
+SUMMED = Case("ddp", "unscale_+fused", SHARDED, plant="every rank")
 
 
 def test_torch_scalers_and_ours_layout_by_layout_as_the_docs_say() -> None:
-    cases = [*CASES, *NATURAL]
+    cases = [*CASES, *NATURAL, SUMMED]
     ranks = run_ranks(_rank_matrix, 2, cases, timeout_s=240, group_timeout_s=20)
     measured = {case: [rank["cases"][i] for rank in ranks] for i, case in enumerate(cases)}
 
@@ -382,11 +387,11 @@ def test_torch_scalers_and_ours_layout_by_layout_as_the_docs_say() -> None:
     wrong = [
         f"{c.layout}, {c.flavour}, {c.scaler} (inf in rank 1's {c.plant}): the docs say "
         f"{expected[c]}, measured {_outcome(measured[c])}"
-        for c in cases
+        for c in expected
         if _outcome(measured[c]) != expected[c]
     ]
     assert not wrong, "\n".join(wrong)
-    assert {expected[c] for c in cases if c.scaler == OURS} == {("agrees", 1)}
+    assert {expected[c] for c in expected if c.scaler == OURS} == {("agrees", 1)}
 
     # how torch's scalers raise
     for layout in ("ddp", "fsdp2"):
@@ -395,6 +400,12 @@ def test_torch_scalers_and_ours_layout_by_layout_as_the_docs_say() -> None:
                 "RuntimeError: output with shape [] doesn't match the broadcast shape [1]"
             )
             assert rank["steps"] == []  # at the first, clean, step
+            assert not rank["nan_params"]  # found_inf was 0.0: the fused kernel stepped cleanly
+    for rank in measured[SUMMED]:
+        assert rank["raised"] == (
+            "RuntimeError: output with shape [] doesn't match the broadcast shape [1]"
+        )
+        assert rank["nan_params"]  # stepped with found_inf = 2.0, then raised
     for rank in measured[Case("fsdp2_two_dtypes", "foreach", AMP)]:
         assert rank["raised"] == "ValueError: Attempting to unscale FP16 gradients."
     first, last = measured[Case("pipeline", "foreach", AMP)]
