@@ -221,7 +221,7 @@ def _run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
     try:
         scaler = _scaler(case.scaler)
         job = _Job(case.layout, case.flavour, scaler, rank, world_size)
-    except Exception as caught:  # pragma: no cover - a layout that no longer builds
+    except Exception as caught:  # a layout that no longer builds
         error = f"{type(caught).__name__}: {caught}"
     if _any_rank(error is not None):
         return {"raised": error, "steps": steps}
@@ -415,15 +415,11 @@ def test_torch_scalers_and_ours_layout_by_layout_as_the_docs_say() -> None:
     assert last["steps"] == [{"moved": "all", "scale": SCALE, "collectives": 0}]
 
     for rank in ranks:
-        # the counting rule: one functional all-reduce and one eager, as the process group
-        # counts them; count_collectives lists the functional one twice (its own operator and
-        # the c10d one it runs)
-        assert rank["counting"]["issued"] == 2
-        assert rank["counting"]["counts"] == {
-            "_c10d_functional::all_reduce": 1,
-            "c10d::allreduce_": 2,
-        }
-        assert rank["counting"]["rule"] == 2
+        # the counting rule (c10d:: operators) counts what the process group counts: one
+        # functional all-reduce and one eager (count_collectives' raw total, 3 in torch 2.13,
+        # lists the functional one twice: its own operator and the c10d one it runs)
+        assert rank["counting"]["issued"] == 2, rank["counting"]
+        assert rank["counting"]["rule"] == 2, rank["counting"]
     # each rank loaded its own scale into torch's scalers, and nothing noticed
     assert [rank["loaded_scales"] for rank in ranks] == [[1024.0, 1024.0], [2048.0, 2048.0]]
 
