@@ -1,8 +1,14 @@
 """Show ranks diverging under torch's ShardedGradScaler, and agreeing under shardscale's.
 
-Two replicas of one model, a fused AdamW, and an inf in rank 1's gradients only. torch's
-``ShardedGradScaler`` reduces ``found_inf`` in ``unscale_()``, which the fused path of ``step()``
-never calls: rank 1 skips, rank 0 steps, and their scales and weights part ways.
+The layout: two replicas of one model held as plain tensors (every rank holds the whole model, as
+DDP's ranks do), a fused AdamW, and an inf in rank 1's gradients only: an inf one rank alone sees,
+as in an FSDP1 flat-parameter shard or a hand-sharded tensor. torch's ``ShardedGradScaler``
+reduces ``found_inf`` in ``unscale_()``, which the fused path of ``step()`` never calls: rank 1
+skips, rank 0 steps, and their scales and weights part ways.
+
+Not every layout parts: on FSDP2 and DTensor tensor-parallel gradients torch's scalers agree
+(DTensor all-reduces ``found_inf``). Every layout, torch's two scalers beside ours:
+``tests/test_claims.py`` and docs/index.md ("Torch's scalers, layout by layout").
 
     torchrun --standalone --nproc-per-node 2 launch/demos/divergence.py
 """
@@ -43,6 +49,11 @@ def main() -> None:
         "shardscale.ShardedGradScaler": lambda: ShardedGradScaler(init_scale=4.0),
     }
     ours_agree = True
+    if rank == 0:
+        print(
+            "layout: 2 replicas, plain-tensor gradients (no FSDP2/DTensor), fused AdamW; "
+            "an inf in rank 1's gradients only"
+        )
     for name, make in scalers.items():
         outcome = _one_step(make())
         outcomes = [torch.empty_like(outcome) for _ in range(world_size)]
