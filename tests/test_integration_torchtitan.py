@@ -1,0 +1,369 @@
+"""torchtitan's own Trainer in fp16 through shardscale.integrations.torchtitan, on 2 CPU ranks.
+
+Real torchrun jobs on gloo train torchtitan 0.3.0's llama3 debug model (short sequences: fp16
+matmuls are ~30x slower than fp32 on a CPU). tests/torchtitan_job.py runs the trainers and holds
+what torchtitan needs on a CPU with torch 2.13; each job runs several trainers in turn, since
+importing torchtitan costs ~15 s per process. Every rank prints a record per step; the tests
+read them. The jobs of one module share one xdist worker, run one at a time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.distributed.checkpoint import FileSystemReader
+
+from tests.test_train import ROOT, torchrun
+from tests.torchtitan_job import make_assets
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.torchrun,
+    pytest.mark.xdist_group("torchtitan"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("torchtitan") is None, reason="needs shardscale[torchtitan]"
+    ),
+]
+
+JOB = str(ROOT / "tests" / "torchtitan_job.py")
+# The LR grows at every step of the warmup (a held step shows), the same schedule in every run.
+LR = ["--lr_scheduler.warmup_steps", "5", "--lr_scheduler.total_steps", "10"]
+CHECKPOINTS = ["--checkpoint.enable", "--checkpoint.interval", "2"]
+TENSOR_PARALLEL = [
+    "--parallelism.tensor_parallel_degree",
+    "2",
+    "--parallelism.data_parallel_shard_degree",
+    "1",
+]
+SCALER_KEY = "shardscale_scaler"
+
+Records = dict[str, dict[int, list[dict[str, Any]]]]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tokenizer and a data set: torchtitan's wheel ships neither."""
+    folder = tmp_path_factory.mktemp("titan_assets")
+    make_assets(str(folder))
+    return folder
+
+
+def _train(
+    assets: Path, out: Path, runs: list[dict[str, Any]], *options: str
+) -> tuple[Records, str]:
+    """Run `runs` in one torchrun job on 2 ranks; their records (by run, rank, in step order)
+    and the job's whole output. Rank 0's checks, if asked for, land in out/checks-0.jsonl."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {"SHARDSCALE_TITAN_ASSETS": str(assets), "SHARDSCALE_TITAN_OUT": str(out)}
+    result = torchrun(2, "--runs", json.dumps(runs), *options, script=JOB, timeout=300, env=env)
+    records: Records = {run["name"]: {0: [], 1: []} for run in runs}
+    for rank in (0, 1):
+        for record in _lines(out / f"records-{rank}.jsonl"):
+            records[record["run"]][rank].append(record)
+    return records, result.stdout + result.stderr
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _run(name: str, folder: Path, steps: int, *flags: str, **options: Any) -> dict[str, Any]:
+    """One trainer run of a job (tests/torchtitan_job.py's Run), its outputs in folder/name."""
+    flags = ("--training.steps", str(steps), *flags, "--dump_folder", str(folder / name))
+    return {"name": name, "flags": list(flags), **options}
+
+
+def _column(records: list[dict[str, Any]], key: str) -> list[Any]:
+    return [record[key] for record in records]
+
+
+def _agree(by_rank: dict[int, list[dict[str, Any]]], *keys: str) -> list[dict[str, Any]]:
+    """Rank 0's records, after checking rank 1 holds the same values of `keys`."""
+    for key in keys:
+        assert _column(by_rank[0], key) == _column(by_rank[1], key), key
+    return by_rank[0]
+
+
+def _close(a: float, b: float, tolerance: float) -> bool:
+    return abs(a - b) <= tolerance * abs(b)
+
+
+@pytest.fixture(scope="module")
+def fsdp(assets: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Records, str, Path]:
+    """FSDP2 x2 through fp16(): a bf16 reference, and fp16 with an inf in rank 1's shard at
+    step 4; both checkpoint every 2 steps."""
+    folder = tmp_path_factory.mktemp("titan_fsdp")
+    runs = [
+        _run("bf16", folder, 4, *LR, *CHECKPOINTS, precision="bf16"),
+        _run("fp16", folder, 5, *LR, *CHECKPOINTS, inject_at=4, inject_rank=1, check_clip=True),
+    ]
+    records, output = _train(assets, folder, runs)
+    return records, output, folder
+
+
+def test_fsdp2_inf_in_one_rank_every_rank_skips_and_the_scale_halves_once(
+    fsdp: tuple[Records, str, Path],
+) -> None:
+    records, output, _ = fsdp
+    keys = ("skipped", "scale", "scaler_steps", "skipped_steps", "optimizer_steps", "grad_norm")
+    fp16 = _agree(records["fp16"], *keys, "loss")
+    assert _column(fp16, "skipped") == [False, False, False, True, False]
+    assert _column(fp16, "scale") == [65536.0] * 3 + [32768.0] * 2
+    assert _column(fp16, "skipped_steps") == [0, 0, 0, 1, 1]
+    # AdamW's step counters (fused, as torchtitan builds it): the skipped step counted nowhere
+    assert _column(fp16, "optimizer_steps") == [[1], [2], [3], [3], [4]]
+    norms = _column(fp16, "grad_norm")
+    assert [math.isfinite(n) for n in norms] == [True, True, True, False, True]
+    assert "shardscale: step 4 skipped (inf/NaN gradients on some rank), scale 32768" in output
+
+
+def test_chunked_loss_gradients_are_scaled_grad_norm_matches_bf16(
+    fsdp: tuple[Records, str, Path],
+) -> None:
+    """torchtitan's default loss for llama3 (ChunkedLossWrapper) ignores grad_output in its
+    backward: scaling its output would leave the gradients S = 65536 times too small."""
+    records, _, _ = fsdp
+    fp16, bf16 = records["fp16"][0], records["bf16"][0]
+    assert all(r["scale_calls"] == 8 * r["step"] for r in fp16)  # each of the 8 chunks
+    for step in range(3):  # the same data and initial weights
+        assert _close(fp16[step]["grad_norm"], bf16[step]["grad_norm"], 0.03)
+        assert _close(fp16[step]["loss"], bf16[step]["loss"], 0.01)
+
+
+def test_clip_is_torchtitans_own_in_the_scalers_one_collective(
+    fsdp: tuple[Records, str, Path],
+) -> None:
+    records, _, _ = fsdp
+    for rank in (0, 1):
+        fp16 = records["fp16"][rank]
+        assert _column(fp16, "scaler_collectives") == [1] * 5  # clip + step + update
+        for record in fp16:
+            clip = record["clip"]
+            if record["skipped"]:
+                assert math.isinf(clip["norm"])
+                continue
+            assert record["grad_norm"] == clip["norm"]  # what torchtitan logged
+            assert _close(clip["norm"], clip["titan_norm"], 1e-5)
+            assert clip["max_grad_difference"] < 1e-6  # the same clipped gradients
+
+
+def test_lr_schedule_holds_on_the_skipped_step(fsdp: tuple[Records, str, Path]) -> None:
+    records, _, _ = fsdp
+    fp16, bf16 = _column(records["fp16"][0], "lr"), _column(records["bf16"][0], "lr")
+    assert fp16[:3] == bf16[:3]
+    assert bf16[3] > bf16[2]  # the warmup goes on at step 4 of a run without skips
+    assert fp16[3] == fp16[2]  # held at the skipped step 4
+    assert fp16[4] == bf16[3]  # and goes on where it stopped
+
+
+def test_metrics_report_scale_skipped_steps_and_forward_overflows(
+    fsdp: tuple[Records, str, Path],
+) -> None:
+    records, output, _ = fsdp
+    for rank in (0, 1):
+        metrics = _column(records["fp16"][rank], "metrics")
+        assert metrics[3] == {
+            "shardscale/scale": 32768.0,
+            "shardscale/skipped_steps": 1,
+            "shardscale/last_step_skipped": 1,
+            "shardscale/forward_overflows": 0,
+        }
+        assert [m["shardscale/last_step_skipped"] for m in metrics] == [0, 0, 0, 1, 0]
+    assert "shardscale: step 5 taken, scale 32768, skipped steps 1, forward overflows 0" in output
+
+
+@pytest.fixture(scope="module")
+def resumed(
+    assets: Path, fsdp: tuple[Records, str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Records, str]:
+    """A new job: fp16 resumed from the fp16 run's step-2 checkpoint, fp16 started from the
+    bf16 run's step-2 checkpoint (saved without a scaler), and (sharing the job's start-up)
+    tensor parallel x2 with an inf in rank 1's shard at step 2."""
+    _, _, saved = fsdp
+    folder = tmp_path_factory.mktemp("titan_resume")
+    for run, source in (("resumed", "fp16"), ("from_bf16", "bf16")):
+        step_2 = Path("checkpoint", "step-2")
+        shutil.copytree(saved / source / step_2, folder / run / step_2)
+    runs = [
+        _run("resumed", folder, 5, *LR, *CHECKPOINTS, inject_at=4),
+        _run("from_bf16", folder, 3, *LR, *CHECKPOINTS),
+        _run("fp16_tp", folder, 3, *TENSOR_PARALLEL, inject_at=2, inject_rank=1, check_clip=True),
+    ]
+    return _train(assets, folder, runs)
+
+
+def test_checkpoint_holds_the_scaler_and_a_resumed_run_continues_it(
+    fsdp: tuple[Records, str, Path], resumed: tuple[Records, str]
+) -> None:
+    records, _, saved = fsdp
+    keys = FileSystemReader(str(saved / "fp16" / "checkpoint" / "step-2")).read_metadata()
+    scaler_keys = {k for k in keys.state_dict_metadata if k.startswith(SCALER_KEY + ".")}
+    assert {f"{SCALER_KEY}.{k}" for k in ("scale", "steps", "skipped_steps")} <= scaler_keys
+    again, uninterrupted = _agree(resumed[0]["resumed"], "scale", "loss"), records["fp16"][0][2:]
+    assert [r["step"] for r in again] == [3, 4, 5]
+    for key in ("scale", "skipped", "scaler_steps", "skipped_steps", "lr", "optimizer_steps"):
+        assert _column(again, key) == _column(uninterrupted, key), key
+    assert _column(again, "scale") == [65536.0, 32768.0, 32768.0]
+    # Numerics agree to rounding, not bit for bit: CPU kernels in another process may sum in
+    # another order (their vector paths follow memory alignment).
+    for ours, reference in zip(again, uninterrupted, strict=True):
+        assert _close(ours["loss"], reference["loss"], 1e-4)
+        if math.isfinite(reference["grad_norm"]):
+            assert _close(ours["grad_norm"], reference["grad_norm"], 1e-4)
+        else:
+            assert math.isinf(ours["grad_norm"])
+
+
+def test_checkpoint_saved_before_fp16_loads_with_a_fresh_scaler_and_a_warning(
+    fsdp: tuple[Records, str, Path], resumed: tuple[Records, str]
+) -> None:
+    _, _, saved = fsdp
+    keys = FileSystemReader(str(saved / "bf16" / "checkpoint" / "step-2")).read_metadata()
+    assert not any(k.startswith(SCALER_KEY) for k in keys.state_dict_metadata)
+    records, output = resumed
+    (step,) = _agree(records["from_bf16"], "scale", "scaler_steps", "loss")
+    assert (step["step"], step["scale"], step["scaler_steps"], step["skipped"]) == (
+        3,
+        65536.0,
+        1,
+        False,
+    )
+    assert step["optimizer_steps"] == [3]  # the bf16 run's optimizer state came along
+    assert "holds no shardscale_scaler (saved before fp16?): the loss scaler starts fresh" in (
+        output
+    )
+
+
+def test_tensor_parallel_on_gloo_skips_together_and_clips_as_torchtitan(
+    resumed: tuple[Records, str],
+) -> None:
+    records, _ = resumed
+    tp = _agree(records["fp16_tp"], "skipped", "scale", "grad_norm", "optimizer_steps")
+    assert _column(tp, "skipped") == [False, True, False]
+    assert _column(tp, "scale") == [65536.0, 32768.0, 32768.0]
+    assert _column(tp, "optimizer_steps") == [[1], [1], [2]]
+    for rank in (0, 1):
+        for record in records["fp16_tp"][rank]:
+            assert record["scaler_collectives"] == 1
+            if not record["skipped"]:
+                assert _close(record["clip"]["norm"], record["clip"]["titan_norm"], 1e-5)
+                assert record["clip"]["max_grad_difference"] < 1e-6
+
+
+@pytest.fixture(scope="module")
+def losses(assets: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Records, str, Path]:
+    """The plain cross-entropy loss and gradient accumulation, fp16 and bf16, with fp16()'s
+    refusals checked on rank 0 first."""
+    folder = tmp_path_factory.mktemp("titan_losses")
+    accumulate = ["--training.global_batch_size", "4"]  # 1 per rank, 2 ranks, 2 micro-batches
+    runs = [
+        _run("bf16_ce", folder, 2, precision="bf16", config="llama3_cpu_ce"),
+        _run("fp16_ce", folder, 2, config="llama3_cpu_ce"),
+        _run("bf16_accumulated", folder, 2, *accumulate, precision="bf16"),
+        _run("fp16_accumulated", folder, 2, *accumulate),
+    ]
+    records, output = _train(assets, folder, runs, "--checks")
+    return records, output, folder
+
+
+def test_plain_cross_entropy_gradients_scaled_once_per_micro_batch(
+    losses: tuple[Records, str, Path],
+) -> None:
+    records, _, _ = losses
+    fp16 = _agree(records["fp16_ce"], "grad_norm", "scale_calls")
+    bf16 = records["bf16_ce"][0]
+    assert _column(fp16, "scale_calls") == [1, 2]
+    for ours, reference in zip(fp16, bf16, strict=True):
+        assert _close(ours["grad_norm"], reference["grad_norm"], 0.03)
+
+
+def test_gradient_accumulation_every_micro_batch_scaled_one_update_per_step(
+    losses: tuple[Records, str, Path],
+) -> None:
+    records, _, _ = losses
+    fp16 = _agree(records["fp16_accumulated"], "grad_norm", "scaler_steps", "scale_calls")
+    bf16 = records["bf16_accumulated"][0]
+    assert _column(fp16, "scale_calls") == [16, 32]  # 2 micro-batches x 8 chunks, per step
+    assert _column(fp16, "scaler_steps") == [1, 2]
+    assert _column(fp16, "scale") == [65536.0, 65536.0]
+    for ours, reference in zip(fp16, bf16, strict=True):
+        assert _close(ours["grad_norm"], reference["grad_norm"], 0.03)
+
+
+def test_fp16_refuses_what_it_cannot_train_correctly(losses: tuple[Records, str, Path]) -> None:
+    _, _, folder = losses
+    checks = {check["case"]: check for check in _lines(folder / "checks-0.jsonl")}
+    expected = {
+        "own_loss": ("ValueError", "OwnLoss.Config. A loss that runs backward inside its call"),
+        "chunked_own_loss": ("ValueError", "got the loss ChunkedLossWrapper.Config(_config_"),
+        "bf16_parameters": ("ValueError", "training.dtype must be 'float32', got 'bfloat16'"),
+        "twice": ("ValueError", "fp16() was applied to it"),
+        "process_group": ("ValueError", "the trainer sets the scaler's process_group itself"),
+        "growth_factor": ("ValueError", "growth_factor"),
+        "unknown_option": ("TypeError", "growth"),
+        "not_a_config": ("TypeError", "got TrainingConfig"),
+        "without_clip": ("RuntimeError", "torchtitan 0.3.0 has no torchtitan.distributed.utils"),
+    }
+    for case, (error, message) in expected.items():
+        assert checks[case]["error"] == error, checks[case]
+        assert message in checks[case]["message"], checks[case]
+    converted = checks["converted"]
+    assert converted["original"] == ["bfloat16", "Config"]  # the config given is unchanged
+    assert (converted["param_dtype"], converted["reduce_dtype"]) == ("float16", "float32")
+    assert (converted["loss"], converted["chunk_loss"]) == (
+        "ChunkedLossWrapper.Config",
+        "_ScaledLoss.Config",
+    )
+    assert converted["options"] == {"init_scale": 1024.0, "growth_interval": 3}
+    assert converted["trainer"] == "FP16Trainer.Config"
+
+
+def test_pipeline_parallel_through_the_module_entry_inf_in_stage_0_every_rank_skips(
+    assets: Path, tmp_path: Path
+) -> None:
+    """`python -m shardscale.integrations.torchtitan`'s main() with torchtitan's own flags;
+    PP x2: the scale enters through the loss the schedule runs on the last stage (rank 1), rank 0
+    never calls scale(), and an inf in stage 0 makes both ranks skip."""
+    pipeline = [
+        "--training.local_batch_size",
+        "2",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    ]
+    run = _run("pp", tmp_path, 3, *pipeline, inject_at=2, inject_rank=0, check_clip=True)
+    records, output = _train(assets, tmp_path, [run], "--cli")
+    pp = _agree(records["pp"], "skipped", "scale", "scaler_steps", "grad_norm")
+    assert _column(pp, "skipped") == [False, True, False]
+    assert _column(pp, "scale") == [65536.0, 32768.0, 32768.0]
+    assert _column(records["pp"][0], "scale_calls") == [0, 0, 0]  # stage 0 computes no loss
+    assert all(r["scale_calls"] > 0 for r in records["pp"][1])
+    for rank in (0, 1):
+        for record in records["pp"][rank]:
+            assert record["scaler_collectives"] == 1
+            if not record["skipped"]:  # stages summed, as torchtitan's clip with its pp_mesh
+                assert _close(record["clip"]["norm"], record["clip"]["titan_norm"], 1e-5)
+    assert "in fp16 with shardscale" in output
+
+
+def test_fp16_loss_within_one_percent_of_fp32_over_20_steps(assets: Path, tmp_path: Path) -> None:
+    short = ["--training.seq_len", "8"]  # one token per chunk of the chunked loss
+    runs = [
+        _run("fp32", tmp_path, 20, *short, precision="fp32"),
+        _run("fp16", tmp_path, 20, *short),
+    ]
+    records, _ = _train(assets, tmp_path, runs)
+    fp16 = _agree(records["fp16"], "loss", "skipped")
+    fp32 = records["fp32"][0]
+    assert len(fp16) == len(fp32) == 20
+    assert not any(_column(fp16, "skipped"))
+    for ours, reference in zip(fp16, fp32, strict=True):
+        assert _close(ours["loss"], reference["loss"], 0.01), (ours["step"], ours["loss"])
+    assert fp16[-1]["loss"] < fp16[0]["loss"] - 0.5  # it trained
