@@ -41,6 +41,7 @@ TENSOR_PARALLEL = [
     "--parallelism.data_parallel_shard_degree",
     "1",
 ]
+FULL_DTENSOR = ["--parallelism.spmd_backend", "full_dtensor"]
 SCALER_KEY = "shardscale_scaler"
 
 Records = dict[str, dict[int, list[dict[str, Any]]]]
@@ -258,8 +259,8 @@ def test_tensor_parallel_on_gloo_skips_together_and_clips_as_torchtitan(
 
 @pytest.fixture(scope="module")
 def losses(assets: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Records, str, Path]:
-    """The plain cross-entropy loss and gradient accumulation, fp16 and bf16, with fp16()'s
-    refusals checked on rank 0 first."""
+    """The plain cross-entropy loss and gradient accumulation, fp16 and bf16; FSDP2 on
+    torchtitan's full-DTensor backend; fp16()'s refusals checked on rank 0 first."""
     folder = tmp_path_factory.mktemp("titan_losses")
     accumulate = ["--training.global_batch_size", "4"]  # 1 per rank, 2 ranks, 2 micro-batches
     runs = [
@@ -267,6 +268,7 @@ def losses(assets: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Reco
         _run("fp16_ce", folder, 2, config="llama3_cpu_ce"),
         _run("bf16_accumulated", folder, 2, *accumulate, precision="bf16"),
         _run("fp16_accumulated", folder, 2, *accumulate),
+        _run("fp16_full_dtensor", folder, 2, *FULL_DTENSOR, inject_at=2, check_clip=True),
     ]
     records, output = _train(assets, folder, runs, "--checks")
     return records, output, folder
@@ -294,6 +296,21 @@ def test_gradient_accumulation_every_micro_batch_scaled_one_update_per_step(
     assert _column(fp16, "scale") == [65536.0, 65536.0]
     for ours, reference in zip(fp16, bf16, strict=True):
         assert _close(ours["grad_norm"], reference["grad_norm"], 0.03)
+
+
+def test_full_dtensor_backend_skips_together_and_clips_as_torchtitan(
+    losses: tuple[Records, str, Path],
+) -> None:
+    records, _, _ = losses
+    run = _agree(records["fp16_full_dtensor"], "skipped", "scale", "grad_norm", "optimizer_steps")
+    assert _column(run, "skipped") == [False, True]
+    assert _column(run, "scale") == [65536.0, 32768.0]
+    assert _column(run, "optimizer_steps") == [[1], [1]]
+    for rank in (0, 1):
+        first = records["fp16_full_dtensor"][rank][0]
+        assert first["scaler_collectives"] == 1
+        assert _close(first["clip"]["norm"], first["clip"]["titan_norm"], 1e-5)
+        assert first["clip"]["max_grad_difference"] < 1e-6
 
 
 def test_fp16_refuses_what_it_cannot_train_correctly(losses: tuple[Records, str, Path]) -> None:

@@ -71,13 +71,14 @@ def fp16(config: Any, **scaler_kwargs: Any) -> Any:
     checkpoints (the module docstring says where). CUDA graphs are turned off: the scale is
     chosen each step on the host, which a replayed graph would not see.
 
-    ```python
-    from torchtitan.models.llama3.config_registry import llama3_8b
-    from shardscale.integrations.torchtitan import fp16
+    Example:
+        ```python
+        from torchtitan.models.llama3.config_registry import llama3_8b
+        from shardscale.integrations.torchtitan import fp16
 
-    trainer = fp16(llama3_8b(), growth_interval=1000).build()
-    trainer.train()
-    ```
+        trainer = fp16(llama3_8b(), growth_interval=1000).build()
+        trainer.train()
+        ```
 
     Args:
         config: a `Trainer.Config` (or a subclass's, for a `Trainer` subclass that keeps
