@@ -3,8 +3,10 @@
 Real torchrun jobs on gloo train torchtitan 0.3.0's llama3 debug model (short sequences: fp16
 matmuls are ~30x slower than fp32 on a CPU). tests/torchtitan_job.py runs the trainers and holds
 what torchtitan needs on a CPU with torch 2.13; each job runs several trainers in turn, since
-importing torchtitan costs ~15 s per process. Every rank prints a record per step; the tests
-read them. The jobs of one module share one xdist worker, run one at a time.
+importing torchtitan costs ~15 s per process. Every rank writes a record per step; the tests
+read them. Each test runs its own jobs and shares nothing with the others, so tests run once
+however xdist spreads them (with pytest 9, `xdist_group` does not group: xdist 3.8 sets
+`item._nodeid`, which pytest 9 no longer reads).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from tests.torchtitan_job import make_assets
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.torchrun,
-    pytest.mark.xdist_group("torchtitan"),
     pytest.mark.skipif(
         importlib.util.find_spec("torchtitan") is None, reason="needs shardscale[torchtitan]"
     ),
@@ -95,78 +96,49 @@ def _close(a: float, b: float, tolerance: float) -> bool:
     return abs(a - b) <= tolerance * abs(b)
 
 
-@pytest.fixture(scope="module")
-def fsdp(assets: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Records, str, Path]:
-    """FSDP2 x2 through fp16(): a bf16 reference, and fp16 with an inf in rank 1's shard at
-    step 4; both checkpoint every 2 steps."""
-    folder = tmp_path_factory.mktemp("titan_fsdp")
-    runs = [
-        _run("bf16", folder, 4, *LR, *CHECKPOINTS, precision="bf16"),
-        _run("fp16", folder, 5, *LR, *CHECKPOINTS, inject_at=4, inject_rank=1, check_clip=True),
-    ]
-    records, output = _train(assets, folder, runs)
-    return records, output, folder
-
-
-def test_fsdp2_inf_in_one_rank_every_rank_skips_and_the_scale_halves_once(
-    fsdp: tuple[Records, str, Path],
+def test_fsdp2_inf_in_one_rank_every_rank_skips_gradients_match_bf16(
+    assets: Path, tmp_path: Path
 ) -> None:
-    records, output, _ = fsdp
+    """FSDP2 x2 through fp16(), torchtitan's default (chunked) loss, an inf in rank 1's gradient
+    shard at step 4 of 5, against a bf16 run of the same steps: the skip, the scale, the
+    optimizers' counters, the grad norm, the clip, the LR schedule and the metrics."""
+    runs = [
+        _run("bf16", tmp_path, 4, *LR, precision="bf16"),
+        _run("fp16", tmp_path, 5, *LR, inject_at=4, inject_rank=1, check_clip=True),
+    ]
+    records, output = _train(assets, tmp_path, runs)
     keys = ("skipped", "scale", "scaler_steps", "skipped_steps", "optimizer_steps", "grad_norm")
-    fp16 = _agree(records["fp16"], *keys, "loss")
+    fp16, bf16 = _agree(records["fp16"], *keys, "loss", "lr"), records["bf16"][0]
     assert _column(fp16, "skipped") == [False, False, False, True, False]
-    assert _column(fp16, "scale") == [65536.0] * 3 + [32768.0] * 2
+    assert _column(fp16, "scale") == [65536.0] * 3 + [32768.0] * 2  # halved once
     assert _column(fp16, "skipped_steps") == [0, 0, 0, 1, 1]
     # AdamW's step counters (fused, as torchtitan builds it): the skipped step counted nowhere
     assert _column(fp16, "optimizer_steps") == [[1], [2], [3], [3], [4]]
-    norms = _column(fp16, "grad_norm")
-    assert [math.isfinite(n) for n in norms] == [True, True, True, False, True]
-    assert "shardscale: step 4 skipped (inf/NaN gradients on some rank), scale 32768" in output
 
+    # ChunkedLossWrapper ignores grad_output in its backward: scaling its output would leave
+    # the gradients S = 65536 times too small. Each of its 8 chunk losses is scaled instead.
+    assert _column(fp16, "scale_calls") == [8, 16, 24, 32, 40]
+    for ours, reference in zip(fp16[:3], bf16[:3], strict=True):  # same data and weights
+        assert _close(ours["grad_norm"], reference["grad_norm"], 0.03)
+        assert _close(ours["loss"], reference["loss"], 0.01)
 
-def test_chunked_loss_gradients_are_scaled_grad_norm_matches_bf16(
-    fsdp: tuple[Records, str, Path],
-) -> None:
-    """torchtitan's default loss for llama3 (ChunkedLossWrapper) ignores grad_output in its
-    backward: scaling its output would leave the gradients S = 65536 times too small."""
-    records, _, _ = fsdp
-    fp16, bf16 = records["fp16"][0], records["bf16"][0]
-    assert all(r["scale_calls"] == 8 * r["step"] for r in fp16)  # each of the 8 chunks
-    for step in range(3):  # the same data and initial weights
-        assert _close(fp16[step]["grad_norm"], bf16[step]["grad_norm"], 0.03)
-        assert _close(fp16[step]["loss"], bf16[step]["loss"], 0.01)
-
-
-def test_clip_is_torchtitans_own_in_the_scalers_one_collective(
-    fsdp: tuple[Records, str, Path],
-) -> None:
-    records, _, _ = fsdp
-    for rank in (0, 1):
-        fp16 = records["fp16"][rank]
-        assert _column(fp16, "scaler_collectives") == [1] * 5  # clip + step + update
-        for record in fp16:
+    for rank in (0, 1):  # the clip is torchtitan's own, inside the scaler's one collective
+        assert _column(records["fp16"][rank], "scaler_collectives") == [1] * 5
+        for record in records["fp16"][rank]:
             clip = record["clip"]
+            assert record["grad_norm"] == clip["norm"]  # what torchtitan logged
             if record["skipped"]:
                 assert math.isinf(clip["norm"])
-                continue
-            assert record["grad_norm"] == clip["norm"]  # what torchtitan logged
-            assert _close(clip["norm"], clip["titan_norm"], 1e-5)
-            assert clip["max_grad_difference"] < 1e-6  # the same clipped gradients
+            else:
+                assert _close(clip["norm"], clip["titan_norm"], 1e-5)
+                assert clip["max_grad_difference"] < 1e-6  # the same clipped gradients
 
+    lr, reference_lr = _column(fp16, "lr"), _column(bf16, "lr")
+    assert lr[:3] == reference_lr[:3]
+    assert reference_lr[3] > reference_lr[2]  # the warmup goes on at step 4 without skips
+    assert lr[3] == lr[2]  # held at the skipped step 4
+    assert lr[4] == reference_lr[3]  # and goes on where it stopped
 
-def test_lr_schedule_holds_on_the_skipped_step(fsdp: tuple[Records, str, Path]) -> None:
-    records, _, _ = fsdp
-    fp16, bf16 = _column(records["fp16"][0], "lr"), _column(records["bf16"][0], "lr")
-    assert fp16[:3] == bf16[:3]
-    assert bf16[3] > bf16[2]  # the warmup goes on at step 4 of a run without skips
-    assert fp16[3] == fp16[2]  # held at the skipped step 4
-    assert fp16[4] == bf16[3]  # and goes on where it stopped
-
-
-def test_metrics_report_scale_skipped_steps_and_forward_overflows(
-    fsdp: tuple[Records, str, Path],
-) -> None:
-    records, output, _ = fsdp
     for rank in (0, 1):
         metrics = _column(records["fp16"][rank], "metrics")
         assert metrics[3] == {
@@ -176,59 +148,50 @@ def test_metrics_report_scale_skipped_steps_and_forward_overflows(
             "shardscale/forward_overflows": 0,
         }
         assert [m["shardscale/last_step_skipped"] for m in metrics] == [0, 0, 0, 1, 0]
+    assert "shardscale: step 4 skipped (inf/NaN gradients on some rank), scale 32768" in output
     assert "shardscale: step 5 taken, scale 32768, skipped steps 1, forward overflows 0" in output
 
 
-@pytest.fixture(scope="module")
-def resumed(
-    assets: Path, fsdp: tuple[Records, str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Records, str]:
-    """A new job: fp16 resumed from the fp16 run's step-2 checkpoint, fp16 started from the
-    bf16 run's step-2 checkpoint (saved without a scaler), and (sharing the job's start-up)
-    tensor parallel x2 with an inf in rank 1's shard at step 2."""
-    _, _, saved = fsdp
-    folder = tmp_path_factory.mktemp("titan_resume")
-    for run, source in (("resumed", "fp16"), ("from_bf16", "bf16")):
-        step_2 = Path("checkpoint", "step-2")
-        shutil.copytree(saved / source / step_2, folder / run / step_2)
-    runs = [
-        _run("resumed", folder, 5, *LR, *CHECKPOINTS, inject_at=4),
-        _run("from_bf16", folder, 3, *LR, *CHECKPOINTS),
-        _run("fp16_tp", folder, 3, *TENSOR_PARALLEL, inject_at=2, inject_rank=1, check_clip=True),
-    ]
-    return _train(assets, folder, runs)
-
-
-def test_checkpoint_holds_the_scaler_and_a_resumed_run_continues_it(
-    fsdp: tuple[Records, str, Path], resumed: tuple[Records, str]
+def test_checkpoint_holds_the_scaler_resume_continues_it_pre_fp16_checkpoint_loads(
+    assets: Path, tmp_path: Path
 ) -> None:
-    records, _, saved = fsdp
-    keys = FileSystemReader(str(saved / "fp16" / "checkpoint" / "step-2")).read_metadata()
-    scaler_keys = {k for k in keys.state_dict_metadata if k.startswith(SCALER_KEY + ".")}
+    """One job saves at step 2 (bf16; fp16 with an inf at step 2, so the saved scale has moved),
+    a second job resumes from each."""
+    saved, resumed = tmp_path / "saved", tmp_path / "resumed"
+    runs = [
+        _run("bf16", saved, 2, *LR, *CHECKPOINTS, precision="bf16"),
+        _run("fp16", saved, 4, *LR, *CHECKPOINTS, inject_at=2),
+    ]
+    records, _ = _train(assets, saved, runs)
+    step_2 = Path("checkpoint", "step-2")
+    fp16_keys = FileSystemReader(str(saved / "fp16" / step_2)).read_metadata().state_dict_metadata
+    scaler_keys = {key for key in fp16_keys if key.startswith(SCALER_KEY + ".")}
     assert {f"{SCALER_KEY}.{k}" for k in ("scale", "steps", "skipped_steps")} <= scaler_keys
-    again, uninterrupted = _agree(resumed[0]["resumed"], "scale", "loss"), records["fp16"][0][2:]
-    assert [r["step"] for r in again] == [3, 4, 5]
+    bf16_keys = FileSystemReader(str(saved / "bf16" / step_2)).read_metadata().state_dict_metadata
+    assert not any(key.startswith(SCALER_KEY) for key in bf16_keys)
+
+    for run, source in (("resumed", "fp16"), ("from_bf16", "bf16")):
+        shutil.copytree(saved / source / step_2, resumed / run / step_2)
+    runs = [
+        _run("resumed", resumed, 4, *LR, *CHECKPOINTS),
+        _run("from_bf16", resumed, 3, *LR, *CHECKPOINTS),
+    ]
+    again, output = _train(assets, resumed, runs)
+
+    uninterrupted = _agree(records["fp16"], "scale", "skipped")[2:]
+    after = _agree(again["resumed"], "scale", "loss")
+    assert [record["step"] for record in after] == [3, 4]
     for key in ("scale", "skipped", "scaler_steps", "skipped_steps", "lr", "optimizer_steps"):
-        assert _column(again, key) == _column(uninterrupted, key), key
-    assert _column(again, "scale") == [65536.0, 32768.0, 32768.0]
+        assert _column(after, key) == _column(uninterrupted, key), key
+    assert _column(after, "scale") == [32768.0, 32768.0]  # the scale saved after the skip
+    assert _column(after, "skipped_steps") == [1, 1]
     # Numerics agree to rounding, not bit for bit: CPU kernels in another process may sum in
     # another order (their vector paths follow memory alignment).
-    for ours, reference in zip(again, uninterrupted, strict=True):
+    for ours, reference in zip(after, uninterrupted, strict=True):
         assert _close(ours["loss"], reference["loss"], 1e-4)
-        if math.isfinite(reference["grad_norm"]):
-            assert _close(ours["grad_norm"], reference["grad_norm"], 1e-4)
-        else:
-            assert math.isinf(ours["grad_norm"])
+        assert _close(ours["grad_norm"], reference["grad_norm"], 1e-4)
 
-
-def test_checkpoint_saved_before_fp16_loads_with_a_fresh_scaler_and_a_warning(
-    fsdp: tuple[Records, str, Path], resumed: tuple[Records, str]
-) -> None:
-    _, _, saved = fsdp
-    keys = FileSystemReader(str(saved / "bf16" / "checkpoint" / "step-2")).read_metadata()
-    assert not any(k.startswith(SCALER_KEY) for k in keys.state_dict_metadata)
-    records, output = resumed
-    (step,) = _agree(records["from_bf16"], "scale", "scaler_steps", "loss")
+    (step,) = _agree(again["from_bf16"], "scale", "scaler_steps", "loss")
     assert (step["step"], step["scale"], step["scaler_steps"], step["skipped"]) == (
         3,
         65536.0,
@@ -241,81 +204,32 @@ def test_checkpoint_saved_before_fp16_loads_with_a_fresh_scaler_and_a_warning(
     )
 
 
-def test_tensor_parallel_on_gloo_skips_together_and_clips_as_torchtitan(
-    resumed: tuple[Records, str],
+def test_plain_loss_and_gradient_accumulation_scaled_grad_norm_matches_bf16(
+    assets: Path, tmp_path: Path
 ) -> None:
-    records, _ = resumed
-    tp = _agree(records["fp16_tp"], "skipped", "scale", "grad_norm", "optimizer_steps")
-    assert _column(tp, "skipped") == [False, True, False]
-    assert _column(tp, "scale") == [65536.0, 32768.0, 32768.0]
-    assert _column(tp, "optimizer_steps") == [[1], [1], [2]]
-    for rank in (0, 1):
-        for record in records["fp16_tp"][rank]:
-            assert record["scaler_collectives"] == 1
-            if not record["skipped"]:
-                assert _close(record["clip"]["norm"], record["clip"]["titan_norm"], 1e-5)
-                assert record["clip"]["max_grad_difference"] < 1e-6
-
-
-@pytest.fixture(scope="module")
-def losses(assets: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Records, str, Path]:
-    """The plain cross-entropy loss and gradient accumulation, fp16 and bf16; FSDP2 on
-    torchtitan's full-DTensor backend; fp16()'s refusals checked on rank 0 first."""
-    folder = tmp_path_factory.mktemp("titan_losses")
+    """The plain cross-entropy loss (torchtitan's llama3_debugmodel_ce_loss), and the chunked
+    loss over 2 micro-batches a step; rank 0 checks fp16()'s refusals first."""
     accumulate = ["--training.global_batch_size", "4"]  # 1 per rank, 2 ranks, 2 micro-batches
     runs = [
-        _run("bf16_ce", folder, 2, precision="bf16", config="llama3_cpu_ce"),
-        _run("fp16_ce", folder, 2, config="llama3_cpu_ce"),
-        _run("bf16_accumulated", folder, 2, *accumulate, precision="bf16"),
-        _run("fp16_accumulated", folder, 2, *accumulate),
-        _run("fp16_full_dtensor", folder, 2, *FULL_DTENSOR, inject_at=2, check_clip=True),
+        _run("bf16_ce", tmp_path, 2, precision="bf16", config="llama3_cpu_ce"),
+        _run("fp16_ce", tmp_path, 2, config="llama3_cpu_ce"),
+        _run("bf16_accumulated", tmp_path, 2, *accumulate, precision="bf16"),
+        _run("fp16_accumulated", tmp_path, 2, *accumulate),
     ]
-    records, output = _train(assets, folder, runs, "--checks")
-    return records, output, folder
-
-
-def test_plain_cross_entropy_gradients_scaled_once_per_micro_batch(
-    losses: tuple[Records, str, Path],
-) -> None:
-    records, _, _ = losses
-    fp16 = _agree(records["fp16_ce"], "grad_norm", "scale_calls")
-    bf16 = records["bf16_ce"][0]
-    assert _column(fp16, "scale_calls") == [1, 2]
-    for ours, reference in zip(fp16, bf16, strict=True):
+    records, _ = _train(assets, tmp_path, runs, "--checks")
+    plain = _agree(records["fp16_ce"], "grad_norm", "scale_calls")
+    assert _column(plain, "scale_calls") == [1, 2]  # one loss per micro-batch, scaled once
+    for ours, reference in zip(plain, records["bf16_ce"][0], strict=True):
         assert _close(ours["grad_norm"], reference["grad_norm"], 0.03)
 
-
-def test_gradient_accumulation_every_micro_batch_scaled_one_update_per_step(
-    losses: tuple[Records, str, Path],
-) -> None:
-    records, _, _ = losses
-    fp16 = _agree(records["fp16_accumulated"], "grad_norm", "scaler_steps", "scale_calls")
-    bf16 = records["bf16_accumulated"][0]
-    assert _column(fp16, "scale_calls") == [16, 32]  # 2 micro-batches x 8 chunks, per step
-    assert _column(fp16, "scaler_steps") == [1, 2]
-    assert _column(fp16, "scale") == [65536.0, 65536.0]
-    for ours, reference in zip(fp16, bf16, strict=True):
+    accumulated = _agree(records["fp16_accumulated"], "grad_norm", "scaler_steps", "scale_calls")
+    assert _column(accumulated, "scale_calls") == [16, 32]  # 2 micro-batches x 8 chunks a step
+    assert _column(accumulated, "scaler_steps") == [1, 2]  # one update a step
+    assert _column(accumulated, "scale") == [65536.0, 65536.0]
+    for ours, reference in zip(accumulated, records["bf16_accumulated"][0], strict=True):
         assert _close(ours["grad_norm"], reference["grad_norm"], 0.03)
 
-
-def test_full_dtensor_backend_skips_together_and_clips_as_torchtitan(
-    losses: tuple[Records, str, Path],
-) -> None:
-    records, _, _ = losses
-    run = _agree(records["fp16_full_dtensor"], "skipped", "scale", "grad_norm", "optimizer_steps")
-    assert _column(run, "skipped") == [False, True]
-    assert _column(run, "scale") == [65536.0, 32768.0]
-    assert _column(run, "optimizer_steps") == [[1], [1]]
-    for rank in (0, 1):
-        first = records["fp16_full_dtensor"][rank][0]
-        assert first["scaler_collectives"] == 1
-        assert _close(first["clip"]["norm"], first["clip"]["titan_norm"], 1e-5)
-        assert first["clip"]["max_grad_difference"] < 1e-6
-
-
-def test_fp16_refuses_what_it_cannot_train_correctly(losses: tuple[Records, str, Path]) -> None:
-    _, _, folder = losses
-    checks = {check["case"]: check for check in _lines(folder / "checks-0.jsonl")}
+    checks = {check["case"]: check for check in _lines(tmp_path / "checks-0.jsonl")}
     expected = {
         "own_loss": ("ValueError", "OwnLoss.Config. A loss that runs backward inside its call"),
         "chunked_own_loss": ("ValueError", "got the loss ChunkedLossWrapper.Config(_config_"),
@@ -339,6 +253,29 @@ def test_fp16_refuses_what_it_cannot_train_correctly(losses: tuple[Records, str,
     )
     assert converted["options"] == {"init_scale": 1024.0, "growth_interval": 3}
     assert converted["trainer"] == "FP16Trainer.Config"
+
+
+def test_tensor_parallel_and_full_dtensor_backend_skip_together_clip_as_torchtitan(
+    assets: Path, tmp_path: Path
+) -> None:
+    """TP x2 (gloo runs it) and FSDP2 x2 on torchtitan's full-DTensor backend, each with an
+    inf in rank 1's shard at step 2."""
+    runs = [
+        _run("tp", tmp_path, 3, *TENSOR_PARALLEL, inject_at=2, check_clip=True),
+        _run("full_dtensor", tmp_path, 3, *FULL_DTENSOR, inject_at=2, check_clip=True),
+    ]
+    records, _ = _train(assets, tmp_path, runs)
+    for name in ("tp", "full_dtensor"):
+        run = _agree(records[name], "skipped", "scale", "grad_norm", "optimizer_steps")
+        assert _column(run, "skipped") == [False, True, False], name
+        assert _column(run, "scale") == [65536.0, 32768.0, 32768.0], name
+        assert _column(run, "optimizer_steps") == [[1], [1], [2]], name
+        for rank in (0, 1):
+            for record in records[name][rank]:
+                assert record["scaler_collectives"] == 1, name
+                if not record["skipped"]:
+                    assert _close(record["clip"]["norm"], record["clip"]["titan_norm"], 1e-5)
+                    assert record["clip"]["max_grad_difference"] < 1e-6, name
 
 
 def test_pipeline_parallel_through_the_module_entry_inf_in_stage_0_every_rank_skips(
