@@ -27,6 +27,7 @@ from tests.torchtitan_job import make_assets
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.torchrun,
+    pytest.mark.timeout(620),  # up to two jobs, each bounded at 300 s by torchrun()'s timeout
     pytest.mark.skipif(
         importlib.util.find_spec("torchtitan") is None, reason="needs shardscale[torchtitan]"
     ),

@@ -1,31 +1,24 @@
-"""torchtitan: fp16 training with shardscale, by changing one line of a torchtitan launch.
+"""torchtitan: fp16 training with shardscale, by changing what a torchtitan launch runs.
 
-torchtitan (0.3.0) trains in bf16 or fp32. Its FSDP2 policy takes float16 as it is
-(`TORCH_DTYPE_MAP` has it; only the CLI's `Literal` leaves it out), but nothing scales the
-loss. [`fp16()`][fp16] converts a trainer config (what a `config_registry` function returns)
-into one whose `build()` makes the config's `Trainer`, changed in five places:
+torchtitan (0.3.0) trains in bf16 or fp32; its FSDP2 policy takes float16 as it is, but nothing
+scales the loss. [`fp16()`][fp16] converts a trainer config so that its `Trainer`:
 
-* **The loss** is scaled where torchtitan builds it, so the pipeline schedule's last stage
-  scales it too (the other stages never call `scale()`; the scaler still agrees with them).
-  torchtitan's default loss, `ChunkedLossWrapper`, runs the lm_head backward inside its call
-  and its own backward ignores `grad_output`: `scaler.scale(loss).backward()` would leave
-  every gradient S times too small. Its per-chunk loss is scaled instead. A loss this module
-  cannot vouch for is refused.
-* **Clipping** is `scaler.clip_grad_norm_`: unscale, then clip to the global norm (FSDP and
-  TP replicas counted once, pipeline stages summed) inside the scaler's one collective.
-  torchtitan has no hook for it: `Trainer.train_step` calls the module-level
-  `torchtitan.distributed.utils.clip_grad_norm_`, so that one name is replaced for the
-  duration of each `train_step`.
-* **The step** is `scaler.step(optimizers)` on torchtitan's `OptimizersContainer`, then
-  `update()`; every rank skips or steps together. On a skipped step the LR schedule holds, as
-  in DeepSpeed and Megatron-LM: a skipped step trained nothing.
-* **Checkpoints** carry the scaler (key `shardscale_scaler` in torchtitan's DCP checkpoint); a
-  checkpoint saved before fp16 loads with a fresh scaler and a warning.
-* **Metrics**: the scale, skipped steps and forward overflows go to torchtitan's metric
-  loggers (TensorBoard, W&B) and its console log.
+* scales the loss where torchtitan builds it (the pipeline schedule's last stage included; the
+  other stages never call `scale()` and the scaler still agrees with them). torchtitan's default
+  `ChunkedLossWrapper` runs the lm_head backward inside its call and its own backward ignores
+  `grad_output`, so `scale(loss).backward()` would leave every gradient S times too small: its
+  per-chunk loss is scaled instead, and losses this module cannot vouch for are refused;
+* clips with `scaler.clip_grad_norm_`, in the scaler's one collective. torchtitan has no hook:
+  `Trainer.train_step` calls the module-level `torchtitan.distributed.utils.clip_grad_norm_`,
+  so that one name is replaced for the duration of each `train_step`;
+* steps torchtitan's `OptimizersContainer` with `scaler.step()`, then `update()`, every rank
+  together, and holds the LR schedule on skipped steps (as DeepSpeed and Megatron-LM do);
+* checkpoints the scaler (`shardscale_scaler` in the DCP checkpoint) and loads a checkpoint saved
+  before fp16 with a fresh scaler and a warning;
+* reports the scale, skipped steps and forward overflows with torchtitan's metrics.
 
-`python -m shardscale.integrations.torchtitan --module M --config C [torchtitan's flags]` is
-torchtitan's `train` entry with the config converted (launch it with torchrun as usual).
+`python -m shardscale.integrations.torchtitan --module M --config C [flags]` is torchtitan's
+`train` entry with the config converted.
 """
 
 from __future__ import annotations
@@ -82,7 +75,7 @@ def fp16(config: Any, **scaler_kwargs: Any) -> Any:
 
     Args:
         config: a `Trainer.Config` (or a subclass's, for a `Trainer` subclass that keeps
-            `train_step`'s clip, optimizer and LR-scheduler calls), left unchanged.
+            `train_step`'s clip, optimizer and LR-scheduler calls); what fp16 changes is copied.
         **scaler_kwargs: [`ShardedGradScaler`][shardscale.ShardedGradScaler] options
             (`init_scale`, `growth_interval`, `hysteresis`, `min_scale`, ...), checked now.
 
@@ -366,10 +359,15 @@ def main(argv: list[str] | None = None) -> None:
         output_dir=config.dump_folder,
         enable=config.debug.enable_structured_logging,
     )
+    if config.comm.mode == "local_tensor":  # as torchtitan's entry: nothing is trained
+        return
     trainer = None
     try:
         trainer = config.build()
-        trainer.train()
+        if config.checkpoint.create_seed_checkpoint:  # as torchtitan's entry: save, no training
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+        else:
+            trainer.train()
     finally:
         if trainer is not None:
             trainer.close()
