@@ -43,6 +43,12 @@ TENSOR_PARALLEL = [
     "--parallelism.data_parallel_shard_degree",
     "1",
 ]
+DDP = [
+    "--parallelism.data_parallel_replicate_degree",
+    "2",
+    "--parallelism.data_parallel_shard_degree",
+    "1",
+]
 FULL_DTENSOR = ["--parallelism.spmd_backend", "full_dtensor"]
 SCALER_KEY = "shardscale_scaler"
 
@@ -256,17 +262,20 @@ def test_plain_loss_and_gradient_accumulation_scaled_grad_norm_matches_bf16(
     assert converted["trainer"] == "FP16Trainer.Config"
 
 
-def test_tensor_parallel_and_full_dtensor_backend_skip_together_clip_as_torchtitan(
+def test_tensor_parallel_ddp_and_full_dtensor_skip_together_clip_as_torchtitan(
     assets: Path, tmp_path: Path
 ) -> None:
-    """TP x2 (gloo runs it) and FSDP2 x2 on torchtitan's full-DTensor backend, each with an
-    inf in rank 1's shard at step 2."""
+    """TP x2 (gloo runs it), DDP x2 (torchtitan's replicate: every parameter on both ranks) and
+    FSDP2 x2 on torchtitan's full-DTensor backend, each with an inf in rank 1's gradients at
+    step 2. Under DDP the inf is in one replica only: torchtitan alone would step both, and
+    rank 1's weights would turn NaN while rank 0's stay finite."""
     runs = [
         _run("tp", tmp_path, 3, *TENSOR_PARALLEL, inject_at=2, check_clip=True),
+        _run("ddp", tmp_path, 3, *DDP, inject_at=2, check_clip=True),
         _run("full_dtensor", tmp_path, 3, *FULL_DTENSOR, inject_at=2, check_clip=True),
     ]
     records, _ = _train(assets, tmp_path, runs)
-    for name in ("tp", "full_dtensor"):
+    for name in ("tp", "ddp", "full_dtensor"):
         run = _agree(records[name], "skipped", "scale", "grad_norm", "optimizer_steps")
         assert _column(run, "skipped") == [False, True, False], name
         assert _column(run, "scale") == [65536.0, 32768.0, 32768.0], name
@@ -274,9 +283,12 @@ def test_tensor_parallel_and_full_dtensor_backend_skip_together_clip_as_torchtit
         for rank in (0, 1):
             for record in records[name][rank]:
                 assert record["scaler_collectives"] == 1, name
-                if not record["skipped"]:
+                if not record["skipped"]:  # replicas counted once, shards summed
                     assert _close(record["clip"]["norm"], record["clip"]["titan_norm"], 1e-5)
                     assert record["clip"]["max_grad_difference"] < 1e-6, name
+    # torchtitan's own clip saw the inf on rank 1 only: its norms disagree across the ranks
+    assert math.isfinite(records["ddp"][0][1]["clip"]["titan_norm"])
+    assert math.isinf(records["ddp"][1][1]["clip"]["titan_norm"])
 
 
 def test_pipeline_parallel_through_the_module_entry_inf_in_stage_0_every_rank_skips(
