@@ -8,5 +8,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . launch/python_env.sh
 
-use_python_with dev "import shardscale, pytest, xdist, pytest_timeout, hypothesis, numpy, verl, trl, lightning, build"
+use_python_with dev "import shardscale, pytest, xdist, pytest_timeout, hypothesis, numpy, verl, trl, lightning, torchtitan, build"
 exec "$PYTHON" -m pytest -n 2 "$@"
