@@ -1,9 +1,9 @@
 """Counting the collectives a block of code issues, to check "one collective per step".
 
-Every collective torch runs passes through one of two dispatcher namespaces, whatever the backend
-(gloo, NCCL) or caller (`torch.distributed`, DTensor, FSDP): `c10d::` for the eager API and
-`_c10d_functional::` for functional collectives. The profiler records both, so counting their
-operators counts collectives, ours and torch's alike.
+Every collective torch runs reaches the process group through one dispatcher namespace, `c10d::`,
+whatever the backend (gloo, NCCL) or caller (`torch.distributed`, DTensor, FSDP): a functional
+collective (`_c10d_functional::all_reduce`, DTensor's) records its own operator *and* the `c10d::`
+one it runs. Counting `c10d::` operators alone counts each collective once, ours and torch's alike.
 """
 
 from __future__ import annotations
@@ -14,13 +14,8 @@ from contextlib import contextmanager
 
 from torch.profiler import ProfilerActivity, profile
 
-_NOT_COLLECTIVES = frozenset(
-    {"_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd", "c10d::wait"}
-)
-
-
 def _is_collective(name: str) -> bool:
-    return name.startswith(("c10d::", "_c10d_functional::")) and name not in _NOT_COLLECTIVES
+    return name.startswith("c10d::") and name != "c10d::wait"
 
 
 @contextmanager

@@ -212,8 +212,7 @@ class _ScalerMetrics(BaseLogger):  # type: ignore[misc]
                 "shardscale/scale": stats.scale,
                 "shardscale/skipped_steps": stats.skipped_steps,
                 "shardscale/last_step_skipped": int(stats.last_step_skipped),
-                # ScalerStats gains forward_overflows with forward-overflow detection
-                "shardscale/forward_overflows": getattr(stats, "forward_overflows", 0),
+                "shardscale/forward_overflows": stats.forward_overflows,
             },
             step,
         )
@@ -300,7 +299,7 @@ class _FP16Training:
             logger.info(
                 f"shardscale: step {self.step} {taken}, "
                 f"scale {stats.scale:g}, skipped steps {stats.skipped_steps}, "
-                f"forward overflows {getattr(stats, 'forward_overflows', 0)}"
+                f"forward overflows {stats.forward_overflows}"
             )
 
 
