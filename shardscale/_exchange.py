@@ -15,8 +15,7 @@ and optimizers hold the gradients:
 * skip: 1 if an inf or NaN is in this rank's gradients;
 * forward overflow: 1 if, besides, a loss this rank scaled in the iteration was inf or NaN (no
   scale can help that: the step is skipped with the scale held). A non-finite loss that left
-  every gradient finite (one never backpropagated, such as the placeholder torch's pipeline
-  schedules pass their loss function on their first step to infer shapes) is no overflow;
+  every gradient finite (one never backpropagated, or `loss + inf`) is no overflow;
 * has a scale: 0 for a rank that never called `scale()` (a pipeline stage before the last),
   until the group has confirmed that some rank does;
 * norm share: this rank's part of a global gradient norm (`clip_grad_norm_` only).

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 from torch.profiler import ProfilerActivity, profile
 
+
 def _is_collective(name: str) -> bool:
     return name.startswith("c10d::") and name != "c10d::wait"
 

@@ -373,7 +373,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if getattr(optimizer, "_step_supports_amp_scaling", False) and passes_itself(optimizer):
             if closure is not None:
                 raise RuntimeError(
-                    "step(closure=...) cannot retry an optimizer that takes grad_scaler="
+                    f"step(closure=...) cannot retry {type(optimizer).__name__}: its step() takes "
+                    "grad_scaler= (torch's deprecated protocol) and reads the scale itself; run "
+                    "the closure, then step(optimizer)"
                 )
             return self._step_passing_itself(cast(torch.optim.Optimizer, optimizer), args, kwargs)
         loss, book = None, self._book

@@ -120,20 +120,23 @@ def run_ranks(
             process.start()
         answers: dict[int, tuple[bool, Any]] = {}
         deadline = time.monotonic() + timeout_s
+        grace_until: float | None = None
         try:
             while len(answers) < world_size:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
+                now = time.monotonic()
                 # Once a rank has failed, give the others a short grace period, then stop:
                 # a survivor may be blocked in a collective the failed rank will never join.
-                if any(not ok for ok, _ in answers.values()):
-                    remaining = min(remaining, 3.0)
+                if grace_until is None and any(not ok for ok, _ in answers.values()):
+                    grace_until = now + 3.0
+                end = deadline if grace_until is None else min(deadline, grace_until)
+                if now >= end:
+                    break
                 try:
-                    rank, ok, payload = results.get(timeout=remaining)
+                    rank, ok, payload = results.get(timeout=min(end - now, 1.0))
                 except queue.Empty:
-                    if any(not ok for ok, _ in answers.values()):
-                        break
+                    for rank, process in enumerate(processes):  # died without a word: a signal
+                        if rank not in answers and process.exitcode not in (None, 0):
+                            answers[rank] = (False, f"exited with code {process.exitcode}")
                     continue
                 answers[rank] = (ok, payload)
         finally:

@@ -237,9 +237,46 @@ def test_retry_is_refused_by_the_async_scaler() -> None:
         scaler.step(torch.optim.SGD([weight], lr=0.1), closure=lambda: weight.sum())
 
 
+def test_retry_is_refused_for_an_optimizer_that_takes_the_scaler_itself() -> None:
+    class PassedTheScaler(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure: Any = None, grad_scaler: Any = None) -> None:  # type: ignore[override]
+            raise AssertionError("never stepped")
+
+    weight = nn.Parameter(torch.zeros(2))
+    scaler = ShardedGradScaler()
+    scaler.scale(weight.sum()).backward()
+    refused = r"cannot retry PassedTheScaler: its step\(\) takes grad_scaler="
+    with pytest.raises(RuntimeError, match=refused):
+        scaler.step(PassedTheScaler([weight], lr=0.1), closure=lambda: weight.sum())
+
+
 def test_located_forward_overflow_record_names_the_loss() -> None:
     model, optimizer = _replicas()
     scaler = ShardedGradScaler(locate_overflow=True)
     scaler.scale(model(torch.ones(1, 4)).sum() * math.nan).backward()
     scaler.step(optimizer)
     assert NonFiniteGrad(0, "<loss>", 0, 1) in scaler.last_overflow
+
+
+@pytest.mark.torchrun
+@pytest.mark.xdist_group("torchrun")
+def test_demo_beside_torch_scalers_prints_what_the_docs_quote() -> None:
+    """`launch/demos/forward_overflow.py`, whose output docs/forward-overflow.md quotes."""
+    from tests.test_train import ROOT, torchrun
+
+    output = torchrun(2, script=str(ROOT / "launch" / "demos" / "forward_overflow.py")).stdout
+    halved = "2^15, 2^14, 2^13, 2^12, 2^12, 2^12 | yes |"
+    assert f"| torch.amp.GradScaler | [2, 3, 4] | 0 | {halved}" in output
+    assert f"| torch ShardedGradScaler | [2, 3, 4] | 0 | {halved}" in output
+    held = "| shardscale.ShardedGradScaler | [2, 3, 4] | 0 | 2^15, 2^15, 2^15, 2^15, 2^15, 2^15 |"
+    assert held in output
+    assert "shardscale counted 3 forward overflows" in output
+    dropped = "| [1, 2, 3] | 0 | 2^17, 2^16, 2^15, 2^15, 2^15, 2^15 | no |"
+    assert f"| torch.amp.GradScaler {dropped}" in output
+    assert f"| torch ShardedGradScaler {dropped}" in output
+    assert (
+        "| shardscale.ShardedGradScaler, step(closure=...) | none | 4 | "
+        "2^15, 2^15, 2^14, 2^14, 2^14, 2^14 | yes |"
+    ) in output

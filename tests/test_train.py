@@ -433,3 +433,75 @@ def test_train_pp_fsdp2_one_shard_overflows_and_resumes_at_another_layout(tmp_pa
     assert two["history"] == []  # resumed at its last step: nothing left to train
     assert (two["final_scale"], two["skipped_steps"]) == (four["final_scale"], 2)
     assert two["eval_loss"] == pytest.approx(four["eval_loss"], rel=1e-6)
+
+
+# Every 3rd step rank 1's loss is inf (a forward overflow); at step 4 an inf is planted in rank
+# 1's gradients in the batch's first run only; the scale starts at 2**18, where this model's fp16
+# gradients overflow (2**16 is the highest that holds them).
+RETRY_JOB = [
+    "--steps",
+    "6",
+    "--batch-size",
+    "4",
+    "--eval-batches",
+    "0",
+    "--growth-interval",
+    "2",
+    "--init-scale",
+    str(2**18),
+    "--retry",
+    "--inject-forward-overflow-every",
+    "3",
+    "--inject-inf-every",
+    "4",
+    "--inject-rank",
+    "1",
+]
+
+
+@pytest.mark.parametrize("parallel", ["fsdp2", "pp"])
+def test_train_forward_overflows_hold_the_scale_and_retry_drops_no_other_batch(
+    parallel: str, tmp_path: Path
+) -> None:
+    summary_path = tmp_path / "summary.json"
+    result = torchrun(2, *RETRY_JOB, "--parallel", parallel, "--summary-json", str(summary_path))
+    summary = _summary(summary_path)
+    history = summary["history"]
+    assert summary["ranks_agree"] is True
+    # Only the batches whose loss was inf are dropped: no scale can fix those.
+    assert [h["step"] for h in history if h["skipped"]] == [3, 6]
+    assert (summary["batches_dropped"], summary["forward_overflows"]) == (2, 2)
+    # ... and their steps held the scale (and its growth tracker: no growth at step 4 either)
+    assert [h["scale"] for h in history[1:4]] == [2.0**17, 2.0**17, 2.0**16]
+    assert history[5]["scale"] == history[4]["scale"]
+    # The first batch overflowed at 2**18 and 2**17 and was rerun twice, trained at 2**16; the
+    # planted inf of step 4 was gone in the rerun.
+    assert [h["retries"] for h in history] == [2, 0, 0, 1, 0, 0]
+    assert summary["retries"] == 3
+    assert history[0]["scale"] == 2.0**16
+    assert "batch rerun 2 time(s) at a lower scale" in result.stdout
+    assert (
+        "step 3: skipped on all 2 rank(s) (non-finite loss: a forward overflow); "
+        "scale 131072 -> 131072; located at rank 1: <loss>"
+    ) in result.stdout
+    assert "batches dropped      2 (skipped steps; 2 of them forward overflows)" in result.stdout
+
+
+def test_train_forward_overflow_injection_needs_a_rank_with_a_loss(tmp_path: Path) -> None:
+    result = torchrun(
+        2,
+        "--parallel",
+        "pp",
+        "--steps",
+        "1",
+        "--inject-forward-overflow-every",
+        "1",
+        "--inject-rank",
+        "0",
+        check=False,
+    )
+    assert result.returncode != 0
+    assert (
+        "--inject-forward-overflow-every needs --inject-rank on the last pipeline stage "
+        "(ranks [1]: only it has a loss), got 0"
+    ) in result.stdout + result.stderr

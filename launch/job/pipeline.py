@@ -9,6 +9,7 @@ scaler's one collective, so every rank skips or steps together.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -68,6 +69,8 @@ class Pipeline:
         self._loss_divisor = loss_divisor
         self._autocast = autocast
         self._training = True
+        self.inf_loss = False
+        """Make this rank's loss inf (a forward overflow, injected by the job)."""
         self._losses: list[torch.Tensor] = []
         self._microbatches = microbatches
         stage = PipelineStage(model, self.stage, stages, device, group=mesh.get_group("pp"))
@@ -77,6 +80,8 @@ class Pipeline:
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = lm_loss(logits, targets)
+        if self.inf_loss and self._training:
+            loss = loss * math.inf
         self._losses.append(loss.detach())
         return self._scaler.scale(loss / self._loss_divisor) if self._training else loss
 

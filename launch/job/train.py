@@ -12,7 +12,11 @@ are used when CUDA is there, gloo and the CPU otherwise: the script is the same.
 Sharded checkpoints (``--checkpoint-dir``, ``--checkpoint-every``, ``--resume``) hold the model,
 optimizer, scaler, step, data position and RNG state; a resumed run continues bit for bit, and
 may resume at another world size. ``--inject-inf-every K --inject-rank R`` plants an inf in one
-element of rank R's gradient shard every K steps, to show every rank skip together.
+element of rank R's gradient shard every K steps, to show every rank skip together;
+``--inject-forward-overflow-every K`` makes rank R's loss inf instead (a forward overflow: every
+rank skips, the scale is held). ``--retry`` reruns a batch whose gradients overflowed at a
+backed-off scale (``scaler.step(optimizer, closure=...)``) instead of dropping it; the summary
+counts the batches dropped.
 """
 
 from __future__ import annotations
@@ -105,7 +109,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--checkpoint-every", type=int, default=0, help="save every K steps (0: only at the end)")
     add("--resume", action="store_true", help="continue from the newest checkpoint")
     add("--inject-inf-every", type=int, default=0, help="plant an inf every K steps (0: never)")
-    add("--inject-rank", type=int, default=0, help="the rank whose gradient gets the inf")
+    add(
+        "--inject-forward-overflow-every",
+        type=int,
+        default=0,
+        help="make --inject-rank's loss inf every K steps, as an fp16 forward overflow (0: never)",
+    )
+    add("--inject-rank", type=int, default=0, help="the rank whose gradient (or loss) gets the inf")
+    add(
+        "--retry",
+        action="store_true",
+        help="rerun a batch whose gradients overflowed, at a backed-off scale, instead of "
+        "dropping it (scaler.step(optimizer, closure=...)); an inf planted by --inject-inf-every "
+        "lands in the first run only, as an overflow the lower scale avoids",
+    )
+    add("--max-retries", type=int, default=3, help="reruns of one batch, at most (--retry)")
     add("--eval-batches", type=int, default=8, help="held-out batches for the final eval loss")
     add(
         "--track-underflow",
@@ -171,7 +189,14 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--clip-norm must be >= 0 (0: no clipping), got {args.clip_norm}")
     if args.sync_timeout <= 0:
         parser.error(f"--sync-timeout must be > 0, got {args.sync_timeout}")
-    for name in ("checkpoint_every", "inject_inf_every", "eval_batches", "verify_every"):
+    for name in (
+        "checkpoint_every",
+        "inject_inf_every",
+        "inject_forward_overflow_every",
+        "eval_batches",
+        "verify_every",
+        "max_retries",
+    ):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.parallel in PIPELINE_LAYOUTS and args.batch_size % args.microbatches:
@@ -266,7 +291,8 @@ def _make_scaler(args: argparse.Namespace) -> ShardedGradScaler:
         "verify_every": args.verify_every,
         # with planted infs, show where they landed. A clean step pays one host read of the
         # agreed flag: after AdamW's non-fused step, which has read it already, it waits for nothing
-        "locate_overflow": bool(args.inject_inf_every),
+        "locate_overflow": bool(args.inject_inf_every or args.inject_forward_overflow_every),
+        "max_retries": args.max_retries,
     }
     if args.precision == "fp16":
         return ShardedGradScaler(
@@ -464,51 +490,73 @@ def save_checkpoint(directory: Path, step: int, state: dict[str, Any]) -> None:
 
 
 def forward_backward(
-    job: Job, inputs: torch.Tensor, targets: torch.Tensor, loss_divisor: float
+    job: Job, inputs: torch.Tensor, targets: torch.Tensor, loss_divisor: float, inf_loss: bool
 ) -> torch.Tensor:
-    """The scaled forward and backward pass; returns the loss averaged over ranks (to log)."""
+    """The scaled forward and backward pass; returns the loss averaged over ranks (to log).
+
+    ``inf_loss`` makes this rank's loss inf, as an fp16 forward overflow would."""
     if job.pipeline is not None:  # the last stage scales its loss; the schedule runs backward
+        job.pipeline.inf_loss = inf_loss
         return job.pipeline.forward_backward(inputs, targets)
     with job.autocast():
         loss = lm_loss(job.model(inputs), targets)
+    if inf_loss:
+        loss = loss * math.inf
     job.scaler.scale(loss / loss_divisor).backward()
     global_loss = loss.detach().double()
     dist.all_reduce(global_loss)
     return global_loss / dist.get_world_size()
 
 
-def inject_faults(
-    args: argparse.Namespace, faults: Faults, step: int, restart: int, job: Job
-) -> None:
-    """At ``step``'s gradients: kill a rank (the test suite asks), or plant an inf (the flags)."""
+def _due(every: int, step: int) -> bool:
+    """Whether an injection made every ``every`` steps (0: never) falls on ``step`` (0-based)."""
+    return bool(every) and (step + 1) % every == 0
+
+
+def kill_if_asked(faults: Faults, step: int, restart: int) -> None:
+    """Kill this rank at ``step`` where the test suite asks (on torchrun's first attempt)."""
     rank = dist.get_rank()
     if faults.kill_step == step + 1 and rank == faults.kill_rank and not restart:
         print(f"rank {rank}: killed at step {step + 1} (SHARDSCALE_TEST_KILL)", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-    every = args.inject_inf_every
-    if every and (step + 1) % every == 0 and rank == args.inject_rank:
-        _plant_inf(job.optimizer)
 
 
-def clip_step_update(args: argparse.Namespace, job: Job, record: dict[str, Any]) -> None:
-    """Clip (if ``--clip-norm``), step and update; add what they saw to ``record``."""
-    scaler = job.scaler
-    zeros = _zero_fraction(job.optimizer, job.device) if args.track_underflow else None
-    grad_norm = (
-        scaler.clip_grad_norm_(
-            job.model.parameters(), args.clip_norm, replica_group=job.replica_group
-        )
-        if args.clip_norm
-        else None
-    )
-    scaler.step(job.optimizer)
+def train_step(
+    args: argparse.Namespace, job: Job, step: int, inputs: torch.Tensor, targets: torch.Tensor
+) -> dict[str, Any]:
+    """One batch: forward and backward (with the injected infs), clip (``--clip-norm``), step
+    and update; returns the step's record. With ``--retry`` the scaler runs the batch itself,
+    as the closure of ``scaler.step``, and again at a backed-off scale where it overflowed."""
+    scaler, injected = job.scaler, dist.get_rank() == args.inject_rank
+    inf_loss = injected and _due(args.inject_forward_overflow_every, step)
+    plant_inf = injected and _due(args.inject_inf_every, step)
+    record: dict[str, Any] = {"step": step + 1}
+
+    def run_batch() -> torch.Tensor:
+        job.optimizer.zero_grad(set_to_none=True)
+        global_loss = forward_backward(job, inputs, targets, args.loss_divisor, inf_loss)
+        if plant_inf and "loss" not in record:  # a rerun (--retry) gets no planted inf
+            _plant_inf(job.optimizer)
+        record["loss"] = global_loss.item()
+        if args.track_underflow:
+            record["zero_grad_fraction"] = _zero_fraction(job.optimizer, job.device)
+        if args.clip_norm:
+            record["grad_norm"] = scaler.clip_grad_norm_(
+                job.model.parameters(), args.clip_norm, replica_group=job.replica_group
+            )
+        return global_loss
+
+    if args.retry:
+        scaler.step(job.optimizer, closure=run_batch)
+    else:
+        run_batch()
+        scaler.step(job.optimizer)
     scaler.update()
     record["scale"] = scaler.get_scale()
     record["skipped"] = scaler.last_step_skipped  # free after AdamW's (non-fused) step
-    if zeros is not None:
-        record["zero_grad_fraction"] = zeros
-    if grad_norm is not None:
-        record["grad_norm"] = grad_norm.item()  # unscaled, global; inf when skipped
+    if "grad_norm" in record:
+        record["grad_norm"] = record["grad_norm"].item()  # unscaled, global; inf when skipped
+    return record
 
 
 def train_loop(
@@ -528,28 +576,48 @@ def train_loop(
     stop = args.steps if faults.exit_after is None else min(args.steps, faults.exit_after)
     # Host-side copies, so the loop reads the device once per step (the new scale), not more.
     scale = scaler.get_scale()
-    skipped_total = scaler.state_dict().get("skipped_steps", 0)
+    counted = scaler.stats
+    skipped_total, forward_total, retries = (
+        counted.skipped_steps,
+        counted.forward_overflows,
+        counted.retries,
+    )
     history: list[dict[str, Any]] = []
     started = time.perf_counter()
     for step in range(start, stop):
         batch = batches.train_batch(step, job.data_rank, job.data_ranks)
         inputs, targets = (t.to(job.device) for t in batch)
-        job.optimizer.zero_grad(set_to_none=True)
-        global_loss = forward_backward(job, inputs, targets, args.loss_divisor)
-        inject_faults(args, faults, step, restart, job)
-        record: dict[str, Any] = {"step": step + 1, "loss": global_loss.item()}
-        clip_step_update(args, job, record)
+        kill_if_asked(faults, step, restart)
+        record = train_step(args, job, step, inputs, targets)
         history.append(record)
         scale_used, scale = scale, record["scale"]
-        skipped_total += record["skipped"]
         train_state.update(
             step=step + 1, samples_seen=(step + 1) * args.batch_size * job.data_ranks
         )
-        if record["skipped"]:
-            located = "; ".join(map(str, scaler.last_overflow))
+        if record["skipped"] or args.retry:  # the counters cost a host read: only then
+            counted = scaler.stats
+            record["retries"] = counted.retries - retries
+            forward = counted.forward_overflows > forward_total
+            skipped_total, forward_total, retries = (
+                counted.skipped_steps,
+                counted.forward_overflows,
+                counted.retries,
+            )
+        if record.get("retries"):
             progress.note(
-                f"step {step + 1}: skipped on all {dist.get_world_size()} rank(s) (non-finite "
-                f"gradients); scale {scale_used:g} -> {scale:g}"
+                f"step {step + 1}: gradients overflowed, batch rerun {record['retries']} "
+                f"time(s) at a lower scale (--retry); scale {scale_used:g} -> {scale:g}"
+            )
+        if record["skipped"]:
+            why = "non-finite loss: a forward overflow" if forward else "non-finite gradients"
+            # a forward overflow's NaNs fill every gradient: name the losses alone
+            where = [r for r in scaler.last_overflow if not forward or r.name == "<loss>"]
+            located = "; ".join(map(str, where[:3])) + (
+                f"; and {len(where) - 3} more" if len(where) > 3 else ""
+            )
+            progress.note(
+                f"step {step + 1}: skipped on all {dist.get_world_size()} rank(s) ({why}); "
+                f"scale {scale_used:g} -> {scale:g}"
                 + (f"; located at {located}" if located else "")
             )
         elapsed = time.perf_counter() - started
@@ -588,10 +656,15 @@ def summarise(
         job.stage,
     )
     tokens_per_step = args.batch_size * args.seq_len * job.data_ranks
+    stats = scaler.stats
     return {
         "steps": final_step,
         "interrupted": final_step < args.steps,
-        "skipped_steps": scaler_state.get("skipped_steps", 0),
+        "skipped_steps": stats.skipped_steps,
+        "batches_dropped": stats.skipped_steps,  # a skipped step's batch is not trained on
+        "forward_overflows": stats.forward_overflows,
+        "retries": stats.retries,
+        "retry": args.retry,
         "final_loss": history[-1]["loss"] if history else None,
         "eval_loss": eval_loss,
         "final_scale": scaler.get_scale(),
@@ -614,6 +687,14 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     if not 0 <= args.inject_rank < world_size:
         raise SystemExit(f"--inject-rank must be in [0, {world_size}), got {args.inject_rank}")
     job = build_job(args, device)
+    pipeline = job.pipeline
+    if args.inject_forward_overflow_every and pipeline is not None:
+        last_stage_ranks = range(world_size - pipeline.dp_size, world_size)
+        if args.inject_rank not in last_stage_ranks:
+            raise SystemExit(
+                f"--inject-forward-overflow-every needs --inject-rank on the last pipeline stage "
+                f"(ranks {list(last_stage_ranks)}: only it has a loss), got {args.inject_rank}"
+            )
     # The job prints skips and located overflows itself, once (rank 0), beside its progress bar:
     # the library's log lines would repeat them on every rank.
     logging.getLogger("shardscale").setLevel(logging.ERROR)
@@ -661,7 +742,12 @@ def _evaluate(
 def _print_summary(summary: dict[str, Any]) -> None:
     rows = [
         ("steps", summary["steps"]),
-        ("skipped steps", summary["skipped_steps"]),
+        (
+            "batches dropped",
+            f"{summary['batches_dropped']} (skipped steps; {summary['forward_overflows']} of "
+            f"them forward overflows)",
+        ),
+        ("batches rerun", summary["retries"] if summary["retry"] else "- (no --retry)"),
         ("final training loss", f"{summary['final_loss']:.4f}" if summary["final_loss"] else "-"),
         ("held-out loss", f"{summary['eval_loss']:.4f}" if summary["eval_loss"] else "-"),
         ("final scale", f"{summary['final_scale']:g}"),
