@@ -198,7 +198,13 @@ class IterationBook:
         """Remember on the device whether `loss` is finite: two kernels (a third for a loss of
         several elements, and from the second loss on: gradient accumulation counts every
         micro-batch); no host synchronisation."""
-        if _inferring_pipeline_shapes():
+        # torch's pipeline schedules call their loss once on placeholder tensors (uninitialised
+        # memory), on their first step, to infer the shapes backward sends (torch 2.13's
+        # `_backward_metadata_inference`): that loss says nothing of the data, inf or not.
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None and frame.f_code.co_name != "_backward_metadata_inference":
+            frame = frame.f_back
+        if frame is not None:
             return
         nonfinite = torch.isnan(loss.detach() * 0)  # inf * 0 and NaN * 0 are NaN; a finite x: 0
         if nonfinite.numel() != 1:
@@ -532,16 +538,6 @@ def _params(records: Iterable[OptimizerRecord]) -> Iterator[torch.Tensor]:
 def _key(purpose: str, records: Sequence[OptimizerRecord]) -> tuple[object, ...]:
     """A walk's key: what it is for, and for which optimizers (by id)."""
     return (purpose, *map(id, map(_OPTIMIZER, records)))
-
-
-def _inferring_pipeline_shapes() -> bool:
-    """Whether torch's pipeline schedule is calling its loss on placeholder tensors (uninitialised
-    memory, once on its first step, to infer the shapes backward sends; torch 2.13's
-    `_backward_metadata_inference`): that loss says nothing of the data, inf or not."""
-    frame: FrameType | None = sys._getframe(2)
-    while frame is not None and frame.f_code.co_name != "_backward_metadata_inference":
-        frame = frame.f_back
-    return frame is not None
 
 
 def _first_device(groups: dict[Any, list[torch.Tensor]]) -> torch.device:
