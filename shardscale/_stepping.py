@@ -33,6 +33,7 @@ from types import FrameType
 from typing import Any, TypeAlias, cast
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from shardscale._check import Kernels, exact_norm_check
 from shardscale._errors import ShardScaleWarning
@@ -206,13 +207,16 @@ class IterationBook:
             frame = frame.f_back
         if frame is not None:
             return
-        nonfinite = torch.isnan(loss.detach() * 0)  # inf * 0 and NaN * 0 are NaN; a finite x: 0
+        value = loss.detach()
+        if isinstance(value, DTensor):  # a loss_parallel loss: this rank's part of it
+            value = value.to_local()
+        nonfinite = torch.isnan(value * 0)  # inf * 0 and NaN * 0 are NaN; a finite x: 0
         if nonfinite.numel() != 1:
             nonfinite = nonfinite.any()
         previous = self.loss_nonfinite
         self.loss_nonfinite = nonfinite if previous is None else previous | nonfinite
         if keep:
-            self.losses.append(loss.detach())
+            self.losses.append(value)
 
     def begin_unscale(
         self, optimizers: Iterable[torch.optim.Optimizer]

@@ -70,8 +70,12 @@ def _scaler(name: str) -> Any:
 
 
 def _optimizer(params: Any, flavour: str) -> torch.optim.Optimizer:
+    """AdamW, with an eps fp16 parameters can hold: the default 1e-8 is 0 in fp16, and a zero
+    gradient then steps its parameter to 0/0 = NaN (the fp16 layer of fsdp2_two_dtypes would
+    make the next loss NaN on every rank, whatever was planted)."""
     fused = flavour in ("fused", "unscale_+fused")
-    return torch.optim.AdamW(params, lr=0.01, **({"fused": True} if fused else {"foreach": True}))
+    options = {"fused": True} if fused else {"foreach": True}
+    return torch.optim.AdamW(params, lr=0.01, eps=1e-4, **options)
 
 
 class _Job:
@@ -284,7 +288,9 @@ def _load_different_states(rank: int) -> list[float]:
 
 
 def _outcome(per_rank: list[dict[str, Any]]) -> tuple[str, int | None]:
-    """(agrees | diverges | raises, the collectives of the second iteration, same on every rank)"""
+    """(agrees | agrees, scale held | diverges | raises, the collectives of the second iteration,
+    the same on every rank). *Scale held*: every rank skipped a forward overflow (an inf in the
+    batch makes the loss inf), which ours tells apart and does not back off for."""
     if any(r["raised"] for r in per_rank):
         return "raises", None
     clean = [r["steps"][0] for r in per_rank]
@@ -293,6 +299,8 @@ def _outcome(per_rank: list[dict[str, Any]]) -> tuple[str, int | None]:
     counts = {s["collectives"] for s in second}
     assert len(counts) == 1, second  # every rank issued the same collectives
     decisions = {(s["moved"], s["scale"]) for s in second}
+    if decisions == {("none", SCALE)}:
+        return "agrees, scale held", counts.pop()
     if len(decisions) == 1:
         assert second[0]["scale"] == SCALE / 2, second  # every rank saw the overflow
         return "agrees", counts.pop()
@@ -363,10 +371,12 @@ EXPECTED: dict[tuple[str, str], dict[str, tuple[str, int | None]]] = {
 }
 CASES = [Case(layout, flavour, s) for (layout, flavour), row in EXPECTED.items() for s in row]
 # DDP, an overflow in rank 1's backward (an inf in its batch): DDP's all-reduce sums it into
-# every rank's gradients, so every scaler sees it.
+# every rank's gradients, so every scaler sees it. Rank 1's loss is inf too: a forward overflow,
+# for which ours holds the scale (torch's halve it).
 NATURAL = {
-    Case("ddp", "foreach", s, plant="input"): ("agrees", 0 if s == AMP else 1)
-    for s in (AMP, SHARDED, OURS)
+    Case("ddp", "foreach", AMP, plant="input"): ("agrees", 0),
+    Case("ddp", "foreach", SHARDED, plant="input"): ("agrees", 1),
+    Case("ddp", "foreach", OURS, plant="input"): ("agrees, scale held", 1),
 }
 # torch's sharded scaler, unscale_() then a fused AdamW, an inf on every rank: found_inf sums
 # to 2.0, and the fused kernel, which skips only on 1.0, steps with the infs before the raise.
@@ -388,7 +398,9 @@ def test_torch_scalers_and_ours_layout_by_layout_as_the_docs_say() -> None:
         if _outcome(measured[c]) != expected[c]
     ]
     assert not wrong, "\n".join(wrong)
-    assert {expected[c] for c in expected if c.scaler == OURS} == {("agrees", 1)}
+    assert {expected[c][1] for c in expected if c.scaler == OURS} == {1}
+    ours = {expected[c][0] for c in expected if c.scaler == OURS}
+    assert ours <= {"agrees", "agrees, scale held"}, ours
 
     # how torch's scalers raise
     for layout in ("ddp", "fsdp2"):
@@ -528,9 +540,16 @@ def test_zero_torch_amp_one_rank_skips_alone_and_the_job_dies_at_the_group_timeo
     # rank 1 skipped step 1 (scale halved) and went on; rank 0 stepped into ZeRO's broadcast
     assert skipped["scales"] == [SCALE, SCALE / 2], skipped
     assert stepped["scales"] == [SCALE], stepped
-    for rank in (stepped, skipped):  # both released by the process group's timeout alone
+    # Both released by the process group's timeout alone: the first to reach it reports the
+    # timeout, and gloo then closes its connections, which the other may report instead.
+    errors = [rank["error"].lower() for rank in (stepped, skipped)]
+    assert any("timeout" in error or "timed out" in error for error in errors), errors
+    for rank in (stepped, skipped):
         assert rank["error"].startswith("RuntimeError: "), rank
-        assert "timeout" in rank["error"].lower() or "timed out" in rank["error"].lower(), rank
+        assert any(
+            words in rank["error"].lower()
+            for words in ("timeout", "timed out", "connection closed by peer")
+        ), rank
         assert rank["after_s"] < HANG_TIMEOUT_S + 10.0, rank
     assert max(stepped["after_s"], skipped["after_s"]) > HANG_TIMEOUT_S - 0.2
 

@@ -280,3 +280,24 @@ def test_demo_beside_torch_scalers_prints_what_the_docs_quote() -> None:
         "| shardscale.ShardedGradScaler, step(closure=...) | none | 4 | "
         "2^15, 2^15, 2^14, 2^14, 2^14, 2^14 | yes |"
     ) in output
+
+
+def _rank_dtensor_loss(rank: int, world_size: int) -> tuple[int, int, float]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    weight = nn.Parameter(distribute_tensor(torch.ones(4), mesh, [Shard(0)]))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scaler = ShardedGradScaler(init_scale=8.0)
+    for inf_loss in (False, True):
+        optimizer.zero_grad()
+        loss = (weight * weight).sum()  # a DTensor loss, as tensor parallelism's loss_parallel
+        scaler.scale(loss * math.inf if inf_loss else loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return scaler.stats.steps, scaler.stats.forward_overflows, scaler.get_scale()
+
+
+def test_a_dtensor_loss_is_checked_on_its_local_part() -> None:
+    assert run_ranks(_rank_dtensor_loss, 2) == [(2, 1, 8.0)] * 2

@@ -62,7 +62,7 @@ def use_shardscale(
         fold_clip: replace verl's `optimizer_step` by one that clips with
             `scaler.clip_grad_norm_` (the same `clip_grad`, a global norm over shards):
             its norm travels in the scaler's one collective, where verl's own FSDP2 clipping
-            costs two more. False (the default) keeps verl's clipping.
+            costs one more. False (the default) keeps verl's clipping.
         **scaler_kwargs: [`ShardedGradScaler`][] options.
 
     Returns:
