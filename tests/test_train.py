@@ -193,6 +193,20 @@ def test_train_resume_at_another_world_size(
     assert summary["skipped_steps"] == 2  # the counters came along
 
 
+def test_train_checkpoint_before_any_step_was_taken_resumes(tmp_path: Path) -> None:
+    # Every step skipped: the optimizer has no state yet, and the skipped step's gradients are
+    # still there when the checkpoint is written.
+    checkpoints, summary_path = tmp_path / "checkpoints", tmp_path / "summary.json"
+    options = [*JOB, "--checkpoint-dir", str(checkpoints), "--summary-json", str(summary_path)]
+    torchrun(2, *options, "--steps", "2", "--inject-inf-every", "1")
+    assert _summary(summary_path)["skipped_steps"] == 2
+    result = torchrun(2, *options, "--steps", "3", "--inject-inf-every", "0", "--resume")
+    assert "resumed from" in result.stdout
+    summary = _summary(summary_path)
+    assert (summary["steps"], summary["skipped_steps"]) == (3, 2)
+    assert math.isfinite(summary["final_loss"])
+
+
 def test_train_resume_without_checkpoint_fails_naming_the_folder(tmp_path: Path) -> None:
     result = torchrun(2, *JOB, "--checkpoint-dir", str(tmp_path / "none"), "--resume", check=False)
     assert result.returncode != 0

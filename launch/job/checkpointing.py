@@ -50,6 +50,11 @@ class ModelAndOptimizer:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
+        if not self.optimizer.state:
+            # No step taken yet (all skipped). get_state_dict gives such an optimizer its state
+            # (as a load does) only when no parameter holds a gradient; with the skipped step's
+            # gradients still there it would save no optimizer state, which no load accepts.
+            self.optimizer.zero_grad(set_to_none=True)
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
         return {"model": model_state, "optim": optimizer_state}
 
