@@ -267,10 +267,9 @@ class ScalePolicy:
     def backoff_(self, scale: torch.Tensor, growth_tracker: torch.Tensor) -> None:
         """Back the scale off once, now, whatever the hysteresis allows (a retried step's
         gradients overflowed: the same scale would overflow again): floor held, growth
-        tracker zeroed. No-op with `dynamic=False`."""
-        if self.dynamic:
-            one = torch.ones((), dtype=torch.float32, device=scale.device)
-            self._torch_update_(scale, growth_tracker, one)
+        tracker zeroed. For a dynamic scale (the caller checks)."""
+        one = torch.ones((), dtype=torch.float32, device=scale.device)
+        self._torch_update_(scale, growth_tracker, one)
 
     def _torch_update_(
         self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor

@@ -315,6 +315,16 @@ class DeviceState:
         else:  # a gradient overflow backs off (found: skip - forward); a forward one holds
             policy.update_(*state, rows[1, 6], flags[1])
 
+    def back_off_for_retry_(self, policy: ScalePolicy) -> bool:
+        """Back the scale off once for a rerun of the batch (`step(closure=...)`), and count the
+        retry; False, changing nothing, where the scale cannot go lower (`dynamic=False`, or at
+        the floor). One host read of the scale."""
+        if not policy.dynamic or float(self.scale.item()) <= policy.min_scale:
+            return False
+        policy.backoff_(self.scale, self.growth_tracker)
+        self.counters[5].add_(1)  # retries (the layout: `counters`)
+        return True
+
     def packed(self) -> torch.Tensor:
         """`[scale, growth_tracker, hysteresis_tracker, *counters]` as one float64 tensor.
 

@@ -350,7 +350,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         once per batch, and no batch is dropped to a gradient overflow. Past the bound, at the
         floor, with `dynamic=False`, or for a forward overflow (no scale fixes that) the step
         is skipped as without a closure. It costs one host read of the agreed flags per
-        attempt, fused optimizers included; `stats.retries` counts the reruns.
+        attempt, fused optimizers included, and two more on an attempt whose gradients
+        overflowed (the forward-overflow flag, the scale against its floor); `stats.retries`
+        counts the reruns.
 
         Returns:
             What `optimizer.step(*args, **kwargs)` returns, or None when skipped; for a list,
@@ -389,19 +391,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
             if closure is None or attempt == self._config.max_retries:
                 break
             flags = combined(book.flags())
-            if not self._stepper.read(book, flags) or flags[1].item() or not self._back_off():
-                break  # stepped; or a forward overflow, or a scale at its floor: skipped
+            if not self._stepper.read(book, flags) or flags[1].item():
+                break  # stepped; or a forward overflow: skipped
+            if not self._home.require("step").back_off_for_retry_(self.policy):
+                break  # the scale cannot go lower: skipped
         results, self._last = self._stepper.step(book, items, scale, args, kwargs)
         return loss if closure is not None else (results if listed else results[0])
-
-    def _back_off(self) -> bool:
-        """Back the scale off for a rerun of the batch; False where it cannot go lower."""
-        state = self._home.require("step")
-        if not self.policy.dynamic or float(state.scale.item()) <= self.policy.min_scale:
-            return False
-        self.policy.backoff_(state.scale, state.growth_tracker)
-        state.counters[5].add_(1)  # retries
-        return True
 
     def clip_grad_norm_(
         self,
