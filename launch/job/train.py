@@ -576,12 +576,7 @@ def train_loop(
     stop = args.steps if faults.exit_after is None else min(args.steps, faults.exit_after)
     # Host-side copies, so the loop reads the device once per step (the new scale), not more.
     scale = scaler.get_scale()
-    counted = scaler.stats
-    skipped_total, forward_total, retries = (
-        counted.skipped_steps,
-        counted.forward_overflows,
-        counted.retries,
-    )
+    counted = scaler.stats  # as of the last step that read them
     history: list[dict[str, Any]] = []
     started = time.perf_counter()
     for step in range(start, stop):
@@ -595,14 +590,9 @@ def train_loop(
             step=step + 1, samples_seen=(step + 1) * args.batch_size * job.data_ranks
         )
         if record["skipped"] or args.retry:  # the counters cost a host read: only then
-            counted = scaler.stats
-            record["retries"] = counted.retries - retries
-            forward = counted.forward_overflows > forward_total
-            skipped_total, forward_total, retries = (
-                counted.skipped_steps,
-                counted.forward_overflows,
-                counted.retries,
-            )
+            before, counted = counted, scaler.stats
+            record["retries"] = counted.retries - before.retries
+            forward = counted.forward_overflows > before.forward_overflows
         if record.get("retries"):
             progress.note(
                 f"step {step + 1}: gradients overflowed, batch rerun {record['retries']} "
@@ -625,7 +615,7 @@ def train_loop(
             step,
             record["loss"],
             scale,
-            skipped_total,
+            counted.skipped_steps,
             tokens_per_step * (step + 1 - start) / max(elapsed, 1e-9),
         )
         every = args.checkpoint_every
