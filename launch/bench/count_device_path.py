@@ -17,15 +17,22 @@ lifts that check so that the foreach ops of its CUDA path are counted.
 Run: ``python launch/bench/count_device_path.py`` (prints docs/benchmarks.md's table).
 Uses only the public APIs of torch and shardscale; the test suite's own counter
 (tests/devicepath.py) checks these numbers and docs/benchmarks.md.
+
+``--device cuda`` (``launch/gpu_check.sh``) counts the same steps on a GPU with the same rule,
+host reads and copies for real, and adds the CUDA kernels and memory operations that the
+profiler saw launched: what the meta count stands in for.
 """
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import torch
 import torch.nn.utils.clip_grad as clip_grad
 from torch import nn
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardscale import ShardedGradScaler
@@ -52,10 +59,12 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 
 class Count(TorchDispatchMode):
-    """Host reads, device->host copies and kernels on ``meta``; reads answer 0 (a clean step)."""
+    """Host reads, device->host copies and kernels on ``device``; on ``meta``, where nothing can
+    be read, reads answer 0 (a clean step) and copies land as zeros."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device = META) -> None:
         super().__init__()
+        self.device = device
         self.reset()
 
     def reset(self) -> None:
@@ -63,22 +72,27 @@ class Count(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is aten._local_scalar_dense.default and args[0].device == META:
+        meta = self.device == META
+        on_device = [t.device.type == self.device.type for t in _tensors(args[:2])]
+        if func is aten._local_scalar_dense.default and on_device[0]:
             self.reads += 1
-            return 0.0 if args[0].dtype.is_floating_point else 0
-        if (
+            if meta:
+                return 0.0 if args[0].dtype.is_floating_point else 0
+        elif (
             func is aten._to_copy.default
-            and args[0].device == META
-            and torch.device(kwargs.get("device") or META).type == "cpu"
+            and on_device[0]
+            and torch.device(kwargs.get("device") or self.device).type == "cpu"
         ):
             self.copies += 1
-            return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
-        if func is aten.copy_.default and args[1].device == META and args[0].device != META:
+            if meta:
+                return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+        elif func is aten.copy_.default and on_device[1] and not on_device[0]:
             self.copies += 1
-            return args[0].zero_()
+            if meta:
+                return args[0].zero_()
         out = func(*args, **kwargs)
         if func.overloadpacket.__name__ not in NOT_KERNELS and any(
-            t.device == META for t in _tensors([args, kwargs, out])
+            t.device.type == self.device.type for t in _tensors([args, kwargs, out])
         ):
             self.kernels += 1
         return out
@@ -100,22 +114,30 @@ class Fused(Plain):
     _step_supports_amp_scaling = True
 
 
-def count(scaler_name: str, flavour: str, clip: bool, steps: int = 3) -> tuple[int, int, int]:
-    """(host reads, device->host copies, kernels) of the last of ``steps`` steps."""
-    params = [nn.Parameter(torch.ones(8, 4, device=META)) for _ in range(2)]
+def count(
+    scaler_name: str, flavour: str, clip: bool, steps: int = 3, device: torch.device = META
+) -> tuple[int, ...]:
+    """(host reads, device->host copies, kernels) of the last of ``steps`` steps; on a CUDA
+    device, with the CUDA kernels and memory operations the profiler saw launched."""
+    params = [nn.Parameter(torch.ones(8, 4, device=device)) for _ in range(2)]
     optimizer = (Fused if flavour == "fused" else Plain)(params)
     ours = scaler_name == "shardscale"
-    scaler = ShardedGradScaler() if ours else torch.amp.GradScaler("meta")
-    counter = Count()
+    scaler = ShardedGradScaler() if ours else torch.amp.GradScaler(device.type)
+    counter = Count(device)
+    cuda = device.type == "cuda"
+    profiler = profile(activities=[ProfilerActivity.CUDA]) if cuda else None
     original = clip_grad._device_has_foreach_support  # type: ignore[attr-defined]
     clip_grad._device_has_foreach_support = lambda device: True  # type: ignore[attr-defined]
     try:
         with counter:
-            for _ in range(steps):
-                scaler.scale(torch.ones((), device=META))
+            for step in range(steps):
+                scaler.scale(torch.ones((), device=device))
                 for p in params:
                     p.grad = torch.ones_like(p)
                 counter.reset()
+                if profiler is not None and step == steps - 1:
+                    torch.cuda.synchronize()
+                    profiler.start()
                 if clip and ours:
                     scaler.clip_grad_norm_(params, 1.0)  # type: ignore[attr-defined]
                 elif clip:
@@ -125,24 +147,36 @@ def count(scaler_name: str, flavour: str, clip: bool, steps: int = 3) -> tuple[i
                 scaler.update()
     finally:
         clip_grad._device_has_foreach_support = original  # type: ignore[attr-defined]
-    return counter.reads, counter.copies, counter.kernels
+    if profiler is None:
+        return counter.reads, counter.copies, counter.kernels
+    torch.cuda.synchronize()
+    profiler.stop()
+    launched = [e for e in profiler.events() if e.device_type == DeviceType.CUDA]
+    return counter.reads, counter.copies, counter.kernels, len(launched)
 
 
-def rows() -> list[tuple[str, str, int, int, int]]:
-    """The table's rows: (scaler, pattern, host reads, device->host copies, kernels)."""
+def rows(device: torch.device = META) -> list[tuple[Any, ...]]:
+    """The table's rows: (scaler, pattern, host reads, device->host copies, kernels[, CUDA
+    launches])."""
     table = []
     for flavour in ("plain", "fused"):
         for clip in (False, True):
             pattern = f"{flavour}, " + ("with clipping" if clip else "`step` + `update`")
             for scaler in ("shardscale", "torch.amp.GradScaler"):
-                table.append((scaler, pattern, *count(scaler, flavour, clip)))
+                table.append((scaler, pattern, *count(scaler, flavour, clip, device=device)))
     return table
 
 
 def main() -> None:
-    print("| scaler | pattern | host reads | device→host copies | kernels |")
-    print("|---|---|---|---|---|")
-    for row in rows():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="meta", help="meta (the default) or cuda")
+    device = torch.device(parser.parse_args().device)
+    header = "| scaler | pattern | host reads | device→host copies | kernels |"
+    if device.type == "cuda":
+        header += " CUDA kernels + memory ops launched |"
+    print(header)
+    print("|---" * (header.count("|") - 1) + "|")
+    for row in rows(device):
         print("| " + " | ".join(str(cell) for cell in row) + " |")
 
 
