@@ -38,13 +38,15 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_T
 summary="$results/summary.txt"
 
 "$PYTHON" - >"$summary" <<'PY'
-import subprocess, torch, torch.distributed as dist
-commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+import os, subprocess, torch, torch.distributed as dist
+# the device tool's copy of the tree may carry an older .git: GPU_CHECK_COMMIT names the commit
+git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+commit = os.environ.get("GPU_CHECK_COMMIT") or git.stdout.strip() or "unknown (no git)"
 nccl = ".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else "none"
 names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
 print(f"gpus: {torch.cuda.device_count()} x {', '.join(names)}")
 print(f"torch: {torch.__version__} (CUDA {torch.version.cuda}, NCCL {nccl})")
-print(f"commit: {commit.stdout.strip() or 'unknown (no git)'}")
+print(f"commit: {commit}")
 PY
 cat "$summary"
 

@@ -195,10 +195,11 @@ class IterationBook:
     read: dict[int, bool] = field(default_factory=dict)
     """Agreed flags the host has read, by `id()`: whether they said skip."""
 
-    def note_loss(self, loss: torch.Tensor, keep: bool) -> None:
+    def note_loss(self, loss: torch.Tensor, keep: bool, into: torch.Tensor | None) -> None:
         """Remember on the device whether `loss` is finite: two kernels (a third for a loss of
         several elements, and from the second loss on: gradient accumulation counts every
-        micro-batch); no host synchronisation."""
+        micro-batch); no host synchronisation. The first loss's bit is written `into` that
+        tensor, if given (one a CUDA graph reads)."""
         # torch's pipeline schedules call their loss once on placeholder tensors (uninitialised
         # memory), on their first step, to infer the shapes backward sends (torch 2.13's
         # `_backward_metadata_inference`): that loss says nothing of the data, inf or not.
@@ -211,10 +212,11 @@ class IterationBook:
         if isinstance(value, DTensor):  # a loss_parallel loss: this rank's part of it
             value = value.to_local()
         nonfinite = torch.isnan(value * 0)  # inf * 0 and NaN * 0 are NaN; a finite x: 0
-        if nonfinite.numel() != 1:
-            nonfinite = nonfinite.any()
-        previous = self.loss_nonfinite
-        self.loss_nonfinite = nonfinite if previous is None else previous | nonfinite
+        nonfinite = nonfinite.reshape(()) if nonfinite.numel() == 1 else nonfinite.any()
+        if self.loss_nonfinite is not None:
+            self.loss_nonfinite |= nonfinite
+        else:
+            self.loss_nonfinite = nonfinite if into is None else into.copy_(nonfinite)
         if keep:
             self.losses.append(value)
 

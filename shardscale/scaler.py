@@ -204,6 +204,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         self._steps = state.counters.steps
         self._book = IterationBook(step=self._steps + 1)
         self._last: Decision = False  # the last step()'s decision
+        # The loss's scale and non-finite bit a CUDA graph captured step() reading: scale()
+        # outside the graph then writes each iteration's into these, in place, for its replays.
+        self._captured: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     # ------------------------------------------------------------------ settings
 
@@ -298,8 +301,11 @@ class ShardedGradScaler(torch.amp.GradScaler):
             # A copy of the live scale, once per iteration: the iteration's gradients are
             # divided by it even where update() moves the live one before they are stepped
             # (the async scaler), and update() never modifies a tensor autograd saved.
-            book.loss_scale = self._home.at(output.device, loss=True).scale.clone()
-        book.note_loss(output, keep=self._config.locate_overflow)
+            live = self._home.at(output.device, loss=True).scale
+            captured = self._captured
+            book.loss_scale = live.clone() if captured is None else captured[0].copy_(live)
+        bit = None if self._captured is None else self._captured[1]
+        book.note_loss(output, keep=self._config.locate_overflow, into=bit)
         return (output * move(book.loss_scale, output.device)).to(output.dtype)
 
     def unscale_(self, optimizer: OptimizerTarget) -> None:
@@ -520,8 +526,11 @@ class ShardedGradScaler(torch.amp.GradScaler):
         Alone in its group, a rank without a scale raises torch's error instead: nobody else
         can have scaled its loss.
         """
-        if self._book.loss_scale is not None:
-            return self._book.loss_scale
+        book = self._book
+        if book.loss_scale is not None:
+            if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+                self._captured = (book.loss_scale, book.loss_nonfinite)  # the graph reads these
+            return book.loss_scale
         if self._home.device is not None:
             return self._home.device.scale
         if self._exchange.world_size == 1:

@@ -77,8 +77,10 @@ class Tensors(nn.Module):
             nn.Parameter(torch.randn(numel // 100, 100, device=device) * 0.01) for _ in range(count)
         )
 
-    def forward(self) -> torch.Tensor:
-        return torch.stack([w.sum() for w in self.weights]).sum()
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        # an input, as every model has: torch 2.11's FSDP2 indexes its root's first argument on
+        # CUDA (IndexError for a forward without one)
+        return torch.stack([w.sum() for w in self.weights]).sum() * weight
 
 
 def local_grads(model: nn.Module) -> list[torch.Tensor]:
@@ -182,7 +184,7 @@ def bench_workload(
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     model = Tensors(count, numel, device)
     fully_shard(model, mesh=mesh)
-    model().backward()
+    model(torch.ones((), device=device)).backward()
     prepare = (lambda: _renew_grads(model)) if mode == "fresh" else None
 
     candidates: dict[tuple[str, str], Run] = dict(_floors(model, device))

@@ -105,7 +105,7 @@ def main() -> None:
     cpu = torch.device("cpu")
     model = Tensors(400, 5_000, cpu)
     fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
-    model().backward()
+    model(torch.ones(())).backward()
     optimizer = NoOpOptimizer(model.parameters(), takes_scale=False)
     scaler = ShardedGradScaler(init_scale=1.0, growth_interval=10**9)
     scaler.scale(torch.ones(()))
