@@ -117,9 +117,10 @@ def _time_once(prepare: Run | None, run: Run, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def _slowest_median_ms(samples: list[float]) -> float:
-    """The median over this rank's samples, maximised over ranks (the slowest rank gates)."""
-    median = torch.tensor(statistics.median(samples) * 1e3, dtype=torch.float64)
+def _slowest_median_ms(samples: list[float], device: torch.device) -> float:
+    """The median over this rank's samples, maximised over ranks (the slowest rank gates); on
+    ``device``, which the process group's backend serves (NCCL: a GPU)."""
+    median = torch.tensor(statistics.median(samples) * 1e3, dtype=torch.float64, device=device)
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
     return float(median.item())
 
@@ -234,7 +235,7 @@ def bench_workload(
     for _ in range(rounds):
         for key, run in candidates.items():
             samples[key].extend(_time_once(prepare, run, device) for _ in range(per_round))
-    medians = {key: _slowest_median_ms(times) for key, times in samples.items()}
+    medians = {key: _slowest_median_ms(times, device) for key, times in samples.items()}
     floor_ms = {
         kind: min(ms for (name, k), ms in medians.items() if k == kind and name.startswith("floor"))
         for kind in ("step", "clip")
