@@ -528,7 +528,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """
         book = self._book
         if book.loss_scale is not None:
-            if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+            initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+            if initialized and torch.cuda.is_current_stream_capturing():
                 self._captured = (book.loss_scale, book.loss_nonfinite)  # the graph reads these
             return book.loss_scale
         if self._home.device is not None:

@@ -8,9 +8,10 @@ hooks on CUDA (from another current device where two GPUs exist), NCCL at world 
 agreement across two GPUs, a healthy NCCL run with ``sync_timeout`` (which only warns there), and
 a missing rank, ended by the process group's own timeout.
 
-None of these has run yet (no GPU was available when they were written): ``launch/gpu_check.sh``
-runs them on the day one is, and records the outcome in docs/gpu.md. Each was written by reading
-torch's sources; where a test's confidence is lower, its docstring says why.
+Written by reading torch's sources before any GPU was lent. On one H100 with torch 2.11
+(2026-11-26, ``launch/gpu_check.sh``, docs/gpu.md) all that one GPU can run passed, after a fix
+for CUDA-graph replays; the ``nccl`` ones (two GPUs) have never run. Where a test's confidence is
+lower, its docstring says why.
 """
 
 from __future__ import annotations
