@@ -32,6 +32,7 @@ import operator
 import torch
 
 from shardscale._grads import GradGroups, NormGroups, move
+from shardscale._torch import check_and_unscale_, foreach_norm
 
 Flags = dict[torch.device, torch.Tensor]
 """One float32 scalar per device holding gradients: 1.0 where any element was non-finite."""
@@ -103,7 +104,7 @@ class Kernels:
                 flags[device] = torch.zeros((), dtype=torch.float32, device=device)
             if device not in factors:
                 factors[device] = self.one(device) if inv_scale is None else move(inv_scale, device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, flags[device], factors[device])
+            check_and_unscale_(grads, flags[device], factors[device])
         return flags
 
     def multiply_(self, groups: GradGroups | NormGroups, factor: torch.Tensor) -> None:
@@ -151,9 +152,7 @@ class Kernels:
         for replicas, parts in pieces.items():
             size = sum(map(torch.Tensor.numel, parts))
             norms = torch.cat(parts, out=torch.empty(size, dtype=torch.float32, device=device))
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                [norms], flags[device], move(inv_scale, device)
-            )
+            check_and_unscale_([norms], flags[device], move(inv_scale, device))
             direct = len(pieces) == 1 and (replicas == 1 or math.isinf(norm_type))
             if norm_type == 2.0:  # the common case in one kernel: a dot product
                 part = torch.dot(norms, norms, out=out) if direct else torch.dot(norms, norms)
@@ -211,12 +210,12 @@ def _norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
     later with the other groups' in one kernel); on the CPU one 1-D float32 tensor.
     """
     if grads[0].device.type != "cpu":
-        return list(torch._foreach_norm(grads, norm_type, dtype=torch.float64))
-    norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
+        return list(foreach_norm(grads, norm_type, dtype=torch.float64))
+    norms = torch.stack(foreach_norm(grads, norm_type, dtype=torch.float32))
     finite = norms.isfinite()
     if math.isinf(norm_type) or bool(finite.all()):  # a host read: free on the CPU
         return [norms]
     redo = [i for i, ok in enumerate(finite.tolist()) if not ok]
-    again = torch._foreach_norm([grads[i] for i in redo], norm_type, dtype=torch.float64)
+    again = foreach_norm([grads[i] for i in redo], norm_type, dtype=torch.float64)
     norms[redo] = torch.stack(again).float()  # a norm (not its square) that fits float32
     return [norms]

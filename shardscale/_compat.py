@@ -23,6 +23,7 @@ from torch.amp.grad_scaler import OptState
 from shardscale._check import Flags, Kernels
 from shardscale._grads import GradWalk
 from shardscale._stepping import IterationBook, OptimizerRecord, optimizer_params
+from shardscale._torch import no_torch_function_subclass
 
 GRAD_SCALER_WARNING = (
     "GradScaler is going to stop passing itself as a keyword argument to the passed "
@@ -132,12 +133,12 @@ def unscale_grads(
     """
     params = tuple(optimizer_params(optimizer))
     if not allow_fp16:
-        with torch._C.DisableTorchFunctionSubclass():
+        with no_torch_function_subclass():
             grads = [p.grad for p in params]
         if any(g is not None and g.dtype == torch.float16 for g in grads):
             raise ValueError("Attempting to unscale FP16 gradients.")
     with torch.no_grad():
-        groups, _plain, _holds = GradWalk().groups("compat", params)
+        groups, _plain, _holds = GradWalk().groups(params)
         flags: Flags = {found_inf.device: found_inf}
         for device, _dtype in groups:
             if device not in flags:

@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 from shardscale._errors import ShardScaleDistributedError, ShardScaleWarning, no_scale_message
 from shardscale._grads import move
+from shardscale._torch import group_device_types, view_base
 
 _NO_GRADS = (
     "No inf checks were recorded for this optimizer: none of its parameters has a gradient "
@@ -164,11 +165,6 @@ def _backend(group: dist.ProcessGroup | None, device_type: str) -> str | None:
     return backend
 
 
-def _group_device_types(group: dist.ProcessGroup) -> list[str]:
-    """The device types `group` can run collectives on, in its backend's order."""
-    return [torch.device(t).type for t in group._device_types]
-
-
 class Exchange:
     """The process group a scaler agrees over, and every collective it runs on it, bounded.
 
@@ -226,7 +222,7 @@ class Exchange:
             return comm
         if self.world_size == 1 or self._group is None:
             return preferred
-        device_types = _group_device_types(self._group)
+        device_types = group_device_types(self._group)
         if preferred.type in device_types:
             comm = preferred
             if preferred.type != "cpu" and self._accelerator is None:
@@ -317,7 +313,7 @@ class Exchange:
         # on the meta device, the CPU suite's stand-in for a GPU, every data_ptr is 0).
         others = False
         for flag in local_flags:  # one kernel per other flag (devices, earlier checks)
-            if not (flag._base is votes and flag.storage_offset() == slot.storage_offset()):
+            if not (view_base(flag) is votes and flag.storage_offset() == slot.storage_offset()):
                 torch.maximum(slot, move(flag, votes.device), out=slot)
                 others = True
         if ballot.loss_checked:  # a forward overflow: a non-finite loss, gradients to match

@@ -19,28 +19,36 @@ The tensors returned alias the gradients: unscaling them in place unscales the g
 copy. The one exception is an uncoalesced sparse gradient, which is replaced by its coalesced form
 (as torch's scalers do), because duplicate indices are summed only then, and that sum can overflow.
 
-Every step walks hundreds of parameters, so a scaler keeps its walks ([`GradWalk`][]): while the
-local gradient tensors are the very same objects as at the last step (FSDP2 and DDP keep them when
-gradients are zeroed in place), the grouping is reused, and so are *flat buffers*: FSDP2's local
-gradients of one `fully_shard` group are contiguous views into one reduce-scatter buffer, so where
-the views tile a buffer exactly (no gap, no overlap: padding is never read as gradient) the
-kernels take the buffer as one tensor. A cached layout is used only while every local gradient is
-the same object it was built from, and holds them by weak reference only.
+A step groups its gradients afresh ([`GradWalk`][]): by (device, dtype), one fused kernel call
+per group, each gradient taken as it is (FSDP2's padding between shards is never read). Nothing is
+kept by gradient identity: the default loop hands new gradient tensors every step. A layout kept
+while the gradients stayed the same objects, with flat buffers where FSDP2's shards tile their
+reduce-scatter buffer, was measured and removed: on the default loop it paid only for
+`clip_grad_norm_` over hundreds of small tensors (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import operator
-import weakref
-from collections.abc import Hashable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+from shardscale._torch import (
+    dtensor_spec,
+    flat_param_sizes,
+    flat_param_slices,
+    group_by_device_and_dtype,
+    is_flat_param,
+    is_fsdp_flattened,
+    local_tensor,
+    no_torch_function_subclass,
+    sparse_values,
+)
 
 GradGroups = dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
 """Local gradient tensors keyed by (device, dtype): one fused kernel call per key."""
@@ -50,9 +58,6 @@ NormGroups = dict[tuple[torch.device, torch.dtype, int], list[torch.Tensor]]
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _GRAD = operator.attrgetter("grad")
 _FLAT_PARAM = "_flat_param"
-# One gradient (its index among the parameters), or the indices of gradients that together tile
-# one buffer (taken as that buffer).
-_Entry = int | tuple[int, ...]
 
 
 def move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -69,21 +74,21 @@ def local_grads(params: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor | N
     """
     # Reading .grad on a DTensor parameter goes through __torch_function__ (~0.25 us); with it
     # disabled, 0.1 us, as on a plain tensor. This runs per parameter per step.
-    with torch._C.DisableTorchFunctionSubclass():
+    with no_torch_function_subclass():
         grads: list[torch.Tensor | None] = list(map(_GRAD, params))
     sparse = False
     for i, grad in enumerate(grads):
         if grad is None:
             continue
         if isinstance(grad, DTensor):
-            grad = grads[i] = grad._local_tensor  # what to_local() returns, without its overhead
+            grad = grads[i] = local_tensor(grad)
         if grad.is_sparse:
             sparse = True
             if not grad.is_coalesced():
                 half = grad.dtype in _HALF_DTYPES
                 coalesced = (grad.float() if half else grad).coalesce().to(grad.dtype)
                 params[i].grad = grad = coalesced
-            grads[i] = grad._values()
+            grads[i] = sparse_values(grad)
     return grads, sparse
 
 
@@ -94,9 +99,9 @@ def local_grad(grad: torch.Tensor) -> torch.Tensor:
     is not yet: duplicates sum only then, and that sum is what may overflow); else `grad`.
     """
     if isinstance(grad, DTensor):
-        grad = grad._local_tensor
+        grad = local_tensor(grad)
     if grad.is_sparse:
-        grad = (grad if grad.is_coalesced() else grad.coalesce())._values()
+        grad = sparse_values(grad if grad.is_coalesced() else grad.coalesce())
     return grad
 
 
@@ -113,7 +118,7 @@ def grads_device(params: Iterable[torch.Tensor]) -> torch.device:
         first = param if first is None else first
     if first is None:
         return torch.device("cpu")
-    return (first._local_tensor if isinstance(first, DTensor) else first).device
+    return (local_tensor(first) if isinstance(first, DTensor) else first).device
 
 
 def _dtensor_replicas(grad: DTensor) -> int:
@@ -148,11 +153,10 @@ def replica_count(param: torch.Tensor, plain_replicas: int) -> int:
     grad = param.grad
     if isinstance(grad, DTensor):
         return _dtensor_replicas(grad)
-    if getattr(param, "_is_flat_param", False):
-        unsharded: int = param._padded_unsharded_size.numel()  # type: ignore[attr-defined]
-        sharded: int = max(param._sharded_size.numel(), 1)  # type: ignore[attr-defined]
-        return max(plain_replicas // max(unsharded // sharded, 1), 1)
-    if getattr(param, "_fsdp_flattened", False):
+    if is_flat_param(param):
+        unsharded, sharded = flat_param_sizes(param)
+        return max(plain_replicas // max(unsharded // max(sharded, 1), 1), 1)
+    if is_fsdp_flattened(param):
         return 1
     return plain_replicas
 
@@ -168,15 +172,13 @@ def original_slices(name: str, param: torch.Tensor) -> Iterator[tuple[str, torch
     if grad is None:
         return
     local = local_grad(grad)
-    if not getattr(param, "_is_flat_param", False):
+    if not is_flat_param(param):
         yield name, local
         return
     prefix = name[: -len(_FLAT_PARAM)] if name.endswith(_FLAT_PARAM) else f"{name}."
     flat = local.reshape(-1)
-    for fqn, info in zip(param._fqns, param._shard_param_infos, strict=True):  # type: ignore[attr-defined]
-        if info.in_shard:
-            start = info.offset_in_shard
-            yield prefix + fqn, flat[start : start + info.numel_in_shard]
+    for fqn, start, numel in flat_param_slices(param):
+        yield prefix + fqn, flat[start : start + numel]
 
 
 def plain_replicas(replica_group: object, world_size: int) -> int:
@@ -205,160 +207,66 @@ def plain_replicas(replica_group: object, world_size: int) -> int:
     return replica_group
 
 
-@dataclass(eq=False, slots=True)
-class _Layout:
-    """What a walk found, by position, holding no gradient alive (weak references only)."""
-
-    params: list[weakref.ref[torch.Tensor]]
-    grads: list[weakref.ref[torch.Tensor] | None]
-    entries: dict[Hashable, list[_Entry]]
-    """Per group key, the gradients' indices (flat entries once the layout was seen twice)."""
-    holds: bool
-    plain: bool
-    flat: bool = False
-
-
 class GradWalk:
-    """A scaler's walks of its local gradients, each laid out once and reused (module docstring).
+    """A scaler's walks of its local gradients, grouped afresh at every call (module docstring).
 
-    Reusing is safe because the check is on the identity of every local gradient tensor, each
-    step: the same objects hold whatever values they now hold (the kernels read them afresh),
-    and a new gradient (`zero_grad(set_to_none=True)`, an FSDP2 backward after it, a reassigned
-    `.grad`) is a new object, which is walked again. Sparse gradients are never cached
-    (coalescing replaces them).
+    Nothing is cached by gradient identity: the default loop (`zero_grad()`, FSDP2's
+    reduce-scatter) hands new gradient tensors every step, where a layout kept from the last
+    step never matches. Only each DTensor parameter's replica count is kept, by its spec object.
     """
 
     def __init__(self) -> None:
-        self._layouts: dict[Hashable, _Layout] = {}
         self._replicas: dict[int, tuple[object, int]] = {}  # per parameter: (spec, count)
 
     def groups(
-        self, key: Hashable, params: Iterable[torch.Tensor], plain: int | None = None
+        self, params: Iterable[torch.Tensor], plain: int | None = None
     ) -> tuple[dict[Any, list[torch.Tensor]], bool, bool]:
         """`params`' local gradients by (device, dtype) ([`GradGroups`][]), or with `plain`
         (how many ranks hold the same plain gradients) by (device, dtype, replica count)
-        ([`NormGroups`][]); flat where they tile a buffer. Also: whether any was a plain tensor
-        (its count came from `plain`), and whether any holds an element (an empty shard does
-        not). `key` names the walk whose layout is kept.
+        ([`NormGroups`][]). Also: whether any was a plain tensor (its count came from
+        `plain`), and whether any holds an element (an empty shard does not).
 
         Raises:
             TypeError: a gradient is not floating point.
         """
         params = tuple(params)
-        local, sparse = local_grads(params)
-        layout = self._layouts.get(key)
-        matches = layout is not None and len(layout.grads) == len(local)
-        if layout is not None and matches:
-            for param_ref, grad_ref, param, grad in zip(
-                layout.params, layout.grads, params, local, strict=True
-            ):
-                if param_ref() is not param or (grad_ref() if grad_ref else None) is not grad:
-                    matches = False
-                    break
-        if layout is None or not matches:
-            layout = self._layout(params, local, plain)
-            if sparse:
-                self._layouts.pop(key, None)
-            else:
-                self._layouts[key] = layout
-        elif not layout.flat:  # seen twice: worth laying out flat, once
-            for group, indices in layout.entries.items():
-                layout.entries[group] = _flat_entries(local, indices)
-            layout.flat = True
-        groups: dict[Hashable, list[torch.Tensor]] = {}
-        for group, entries in layout.entries.items():
-            tensors = groups[group] = []
-            for entry in entries:
-                grad = _buffer(local, entry) if isinstance(entry, tuple) else local[entry]
-                tensors.append(cast(torch.Tensor, grad))
-        return groups, layout.plain, layout.holds
-
-    def _layout(
-        self, params: tuple[torch.Tensor, ...], local: list[torch.Tensor | None], plain: int | None
-    ) -> _Layout:
-        present, holds = [], False
-        for i, grad in enumerate(local):
-            if grad is not None:
-                present.append(i)
-                holds = holds or grad.numel() > 0
-        entries: dict[Hashable, list[_Entry]] = {}
-        if present:  # (a rank that ran no backward has none; the grouping rejects no input)
-            grouped = _group_tensors_by_device_and_dtype(
-                [list(map(local.__getitem__, present))], with_indices=True
-            )
-            for (device, dtype), (_tensors, positions) in grouped.items():
-                if not dtype.is_floating_point:
-                    raise TypeError(
-                        f"gradients must be floating point to be checked for inf/NaN, got {dtype}"
-                    )
-                entries[(device, dtype)] = list(map(present.__getitem__, positions))
+        local, _ = local_grads(params)
+        present = [i for i, grad in enumerate(local) if grad is not None]
+        grads = cast(list[torch.Tensor], [local[i] for i in present])
+        holds = any(grad.numel() for grad in grads)
+        groups: dict[Any, list[torch.Tensor]] = {}
         any_plain = False
-        if plain is not None:  # split the groups by replica count
-            by_count: dict[Hashable, list[_Entry]] = {}
-            with torch._C.DisableTorchFunctionSubclass():
-                for (device, dtype), indices in cast(dict[Any, list[_Entry]], entries).items():
-                    for i in cast(list[int], indices):
-                        count, is_plain = self._replica_count(params[i], plain)
-                        any_plain = any_plain or is_plain
-                        by_count.setdefault((device, dtype, count), []).append(i)
-            # Flat at once: a norm costs ~8 us per tensor on a CPU, more than finding the tiling.
-            entries = by_count
-            for key, indices in by_count.items():
-                entries[key] = _flat_entries(local, indices)
-        return _Layout(
-            params=list(map(weakref.ref, params)),
-            grads=[None if g is None else weakref.ref(g) for g in local],
-            entries=entries,
-            holds=holds,
-            plain=any_plain,
-            flat=plain is not None,
-        )
+        if not present:  # a rank that ran no backward (the grouping rejects no input)
+            return groups, any_plain, holds
+        grouped = group_by_device_and_dtype([cast(Any, grads)], with_indices=True)
+        for (device, dtype), (tensor_lists, positions) in grouped.items():
+            tensors = cast(list[torch.Tensor], tensor_lists[0])
+            if not dtype.is_floating_point:
+                raise TypeError(
+                    f"gradients must be floating point to be checked for inf/NaN, got {dtype}"
+                )
+            if plain is None:
+                groups[(device, dtype)] = tensors
+                continue
+            with no_torch_function_subclass():
+                for grad, position in zip(tensors, positions, strict=True):
+                    count, is_plain = self._replica_count(params[present[position]], plain)
+                    any_plain = any_plain or is_plain
+                    groups.setdefault((device, dtype, count), []).append(grad)
+        return groups, any_plain, holds
 
     def _replica_count(self, param: torch.Tensor, plain: int) -> tuple[int, bool]:
         """`replica_count(param, plain)`, and whether `param`'s gradient is a plain tensor (its
         replicas named by the caller, not read from a DTensor or an FSDP1 flat parameter)."""
         grad = param.grad
         if type(grad) is not DTensor and not isinstance(grad, DTensor):
-            flat = getattr(param, "_is_flat_param", False) or getattr(
-                param, "_fsdp_flattened", False
-            )
-            return replica_count(param, plain), not flat
+            if is_fsdp_flattened(param):  # an FSDP1 flat parameter, or a view into one
+                return replica_count(param, plain), False
+            return plain, True
         # By the gradient's sharding spec, per parameter: FSDP2 hands each step's gradient with
         # the parameter's one spec object (3x cheaper than reading the mesh and placements).
         known = self._replicas.get(id(param))
-        if known is None or known[0] is not grad._spec:
-            known = self._replicas[id(param)] = (grad._spec, _dtensor_replicas(grad))
+        spec = dtensor_spec(grad)
+        if known is None or known[0] is not spec:
+            known = self._replicas[id(param)] = (spec, _dtensor_replicas(grad))
         return known[1], False
-
-
-def _buffer(local: list[torch.Tensor | None], entry: tuple[int, ...]) -> torch.Tensor:
-    return cast(torch.Tensor, cast(torch.Tensor, local[entry[0]])._base).view(-1)
-
-
-def _flat_entries(local: list[torch.Tensor | None], indices: list[_Entry]) -> list[_Entry]:
-    """`indices`, with every set whose gradients exactly tile one buffer made one entry."""
-    by_base: dict[int, tuple[torch.Tensor, list[int]]] = {}
-    entries: list[_Entry] = []
-    for i in cast(list[int], indices):
-        base = cast(torch.Tensor, local[i])._base
-        if base is None:
-            entries.append(i)
-        else:
-            by_base.setdefault(id(base), (base, []))[1].append(i)
-    for base, members in by_base.values():
-        views = [cast(torch.Tensor, local[i]) for i in members]
-        entries.extend([tuple(members)] if len(members) > 1 and _tiles(base, views) else members)
-    return entries
-
-
-def _tiles(base: torch.Tensor, views: list[torch.Tensor]) -> bool:
-    """Whether `views` (all of `base`) lie end to end over all of `base`, contiguous."""
-    if not (base.is_contiguous() and all(view.is_contiguous() for view in views)):
-        return False
-    itemsize = base.element_size()
-    position = base.data_ptr()
-    for start, numel in sorted((view.data_ptr(), view.numel()) for view in views):
-        if start != position:
-            return False
-        position += numel * itemsize
-    return position == base.data_ptr() + base.numel() * itemsize

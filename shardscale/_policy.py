@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardscale._torch import update_scale_
+
 
 def _f32(value: float) -> float:
     """Round a Python float to float32, as the device's scale tensor does."""
@@ -276,7 +278,7 @@ class ScalePolicy:
     ) -> None:
         """torch's update kernel (back off, or grow after the interval), then the floor and
         ceiling, which torch's kernel does not know."""
-        torch._amp_update_scale_(
+        update_scale_(
             scale,
             growth_tracker,
             found_inf,

@@ -29,7 +29,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import chain
-from types import FrameType
 from typing import Any, TypeAlias, cast
 
 import torch
@@ -41,6 +40,7 @@ from shardscale._exchange import Exchange, Verdict
 from shardscale._grads import GradGroups, GradWalk, NormGroups, move
 from shardscale._locate import NonFiniteGrad, locate, log_located, optimizer_named_params
 from shardscale._state import ScaleHome
+from shardscale._torch import in_pipeline_shape_inference, no_torch_function_subclass
 
 OptimizerTarget: TypeAlias = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
 """What `unscale_`/`step` accept: an optimizer (or a container of several), or a list."""
@@ -200,14 +200,8 @@ class IterationBook:
         several elements, and from the second loss on: gradient accumulation counts every
         micro-batch); no host synchronisation. The first loss's bit is written `into` that
         tensor, if given (one a CUDA graph reads)."""
-        # torch's pipeline schedules call their loss once on placeholder tensors (uninitialised
-        # memory), on their first step, to infer the shapes backward sends (torch 2.13's
-        # `_backward_metadata_inference`): that loss says nothing of the data, inf or not.
-        frame: FrameType | None = sys._getframe(1)
-        while frame is not None and frame.f_code.co_name != "_backward_metadata_inference":
-            frame = frame.f_back
-        if frame is not None:
-            return
+        if "torch.distributed.pipelining" in sys.modules and in_pipeline_shape_inference():
+            return  # a loss of placeholder tensors (see there): nothing to check
         value = loss.detach()
         if isinstance(value, DTensor):  # a loss_parallel loss: this rank's part of it
             value = value.to_local()
@@ -272,7 +266,7 @@ class IterationBook:
         clipped = self.clipped
         if clipped is None or record.stage is not Stage.READY:
             return False
-        with torch._C.DisableTorchFunctionSubclass():  # DTensor .grad: 0.1 us, not 0.25
+        with no_torch_function_subclass():  # DTensor .grad: 0.1 us, not 0.25
             mine = {id(p) for p in optimizer_params(record.optimizer) if p.grad is not None}
         if mine <= clipped.param_ids:
             record.verdict = clipped.verdict
@@ -335,7 +329,7 @@ class Stepper:
             self.agree(book, scale, "unscale_", unscale=to_check)
         elif to_check:
             with torch.no_grad():
-                groups, _, holds = self._walk.groups(_key("unscale", to_check), _params(to_check))
+                groups, _, holds = self._walk.groups(_params(to_check))
                 flags = self.kernels.check_(groups, self.kernels.inverse(scale), {})
             pending = book.pending = book.pending or PendingCheck()
             pending.records.extend(to_check)
@@ -445,15 +439,11 @@ class Stepper:
             holds = pending is not None and pending.holds
             for purpose, records in (("unscale", unscale), ("check", check)):
                 if records:
-                    walks[purpose], _, walked = self._walk.groups(
-                        _key(purpose, records), _params(records)
-                    )
+                    walks[purpose], _, walked = self._walk.groups(_params(records))
                     holds = holds or walked
             groups, checked = walks["unscale"], walks["check"]
             if clip is not None:
-                norms, plain, walked = self._walk.groups(
-                    ("clip", clip.replicas), clip.params, clip.replicas
-                )
+                norms, plain, walked = self._walk.groups(clip.params, clip.replicas)
                 holds = holds or walked
                 if plain and not self.home.scaled_here:
                     self._warn_plain_replicas_assumed(clip.replicas)
@@ -539,11 +529,6 @@ class Stepper:
 def _params(records: Iterable[OptimizerRecord]) -> Iterator[torch.Tensor]:
     """The parameters of the records' optimizers, in order."""
     return chain.from_iterable(map(optimizer_params, map(_OPTIMIZER, records)))
-
-
-def _key(purpose: str, records: Sequence[OptimizerRecord]) -> tuple[object, ...]:
-    """A walk's key: what it is for, and for which optimizers (by id)."""
-    return (purpose, *map(id, map(_OPTIMIZER, records)))
 
 
 def _first_device(groups: dict[Any, list[torch.Tensor]]) -> torch.device:

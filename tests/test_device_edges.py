@@ -185,6 +185,7 @@ def test_stats_copy_event_on_state_device_stream_hooks_one_update_late(
 # ---------------------------------------------------------------- P5: accelerate asks, or not
 
 
+@pytest.mark.integration  # runs accelerate itself
 @pytest.mark.parametrize(
     ("optimizer_class", "step_reads", "asked_reads"),
     [(_FusedSpy, 0, 1), (_PlainSpy, 1, 0)],

@@ -1,4 +1,4 @@
-"""The gradient walk: cached while gradients stay the same, flat buffers only where exact."""
+"""The gradient walk: grouped afresh at every step, holding no gradient, padding never read."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from shardscale import ShardedGradScaler
-from shardscale._grads import GradWalk, _flat_entries
+from shardscale._grads import GradWalk
 from tests.harness import run_ranks
 
 
@@ -23,58 +23,27 @@ def _params_with_grads(grads: list[torch.Tensor]) -> list[nn.Parameter]:
     return params
 
 
-def _tiled(*views: torch.Tensor) -> bool:
-    """Whether the layout takes ``views`` as one buffer (one entry), not one by one."""
-    entries = _flat_entries(list(views), list(range(len(views))))
-    return entries == [tuple(range(len(views)))]
-
-
-def test_flat_buffer_only_when_views_tile_it_exactly() -> None:
-    base = torch.arange(10.0)
-    assert _tiled(base[0:4], base[4:10])
-    assert _tiled(base[4:10], base[0:4])  # any order
-    assert not _tiled(base[0:4], base[5:10])  # a gap: padding, never read
-    assert not _tiled(base[0:4], base[4:9])  # the tail not covered
-    assert not _tiled(base[0:6], base[4:10])  # overlapping
-    assert not _tiled(base.view(2, 5)[:, :2], base[6:10])  # not contiguous
-    assert not _tiled(base[0:5], torch.arange(5.0))  # another storage
-
-
-def _sizes(walk: GradWalk, params: list[nn.Parameter]) -> list[int]:
-    groups, _plain, _holds = walk.groups("k", params)
-    return [t.numel() for t in groups[(torch.device("cpu"), torch.float32)]]
-
-
-def test_grad_walk_reuses_its_layout_while_the_gradients_are_the_same_objects() -> None:
-    base = torch.zeros(12)
-    params = _params_with_grads([base[0:4].view(2, 2), base[4:12]])
-    walk = GradWalk()
-    assert _sizes(walk, params) == [4, 8]  # first sighting: per tensor
-    first = walk._layouts["k"]
-    groups, _plain, _holds = walk.groups("k", params)
-    assert walk._layouts["k"] is first
-    (flat,) = groups[(torch.device("cpu"), torch.float32)]
-    assert flat.data_ptr() == base.data_ptr()  # seen twice: the whole buffer
-    assert flat.numel() == 12
-    params[1].grad = base[4:12].clone()  # a new gradient object (set_to_none, reassignment)
-    assert _sizes(walk, params) == [4, 8]
-    assert walk._layouts["k"] is not first
-
-
-def test_grad_walk_norm_groups_take_the_flat_buffer_at_once() -> None:
-    base = torch.zeros(12)
-    params = _params_with_grads([base[0:4], base[4:12]])
-    groups, plain, holds = GradWalk().groups("clip", params, 1)
-    assert [t.numel() for t in groups[(torch.device("cpu"), torch.float32, 1)]] == [12]
-    assert plain
+def test_grad_walk_groups_by_device_and_dtype_and_replica_count() -> None:
+    grads = [torch.zeros(4), torch.zeros(2, dtype=torch.float16), torch.zeros(8)]
+    params = _params_with_grads(grads)
+    params.append(nn.Parameter(torch.zeros(3)))  # no gradient: left out
+    groups, plain, holds = GradWalk().groups(params)
+    cpu = torch.device("cpu")
+    assert list(map(id, groups[(cpu, torch.float32)])) == [id(grads[0]), id(grads[2])]  # aliases
+    assert list(map(id, groups[(cpu, torch.float16)])) == [id(grads[1])]
+    assert not plain  # no replica count asked
     assert holds
+    norms, plain, _holds = GradWalk().groups(params, 2)
+    assert set(norms) == {(cpu, torch.float32, 2), (cpu, torch.float16, 2)}
+    assert plain  # plain tensors: their count is the caller's
+    assert GradWalk().groups(_params_with_grads([torch.zeros(0)]))[2] is False  # an empty shard
 
 
 def test_grad_walk_keeps_no_gradient_alive() -> None:
     params = _params_with_grads([torch.ones(4), torch.ones(4)])
     walk = GradWalk()
-    walk.groups("k", params)
-    walk.groups("k", params)  # laid out flat too
+    walk.groups(params)
+    walk.groups(params, 1)
     watched = weakref.ref(params[0].grad)  # type: ignore[arg-type]
     for param in params:
         param.grad = None  # zero_grad(set_to_none=True)
@@ -82,13 +51,13 @@ def test_grad_walk_keeps_no_gradient_alive() -> None:
     assert watched() is None
 
 
-def test_sparse_gradients_are_walked_every_time() -> None:
+def test_sparse_gradients_are_coalesced_in_place() -> None:
     embedding = nn.Embedding(10, 4, sparse=True)
     embedding(torch.tensor([1, 1, 2])).sum().backward()
-    walk = GradWalk()
-    walk.groups("k", embedding.parameters())
+    groups, _plain, _holds = GradWalk().groups(embedding.parameters())
     assert embedding.weight.grad.is_coalesced()  # type: ignore[union-attr]
-    assert "k" not in walk._layouts
+    ((values,),) = groups.values()
+    assert values.shape == (2, 4)  # rows 1 (twice, summed) and 2
 
 
 def _rank_fsdp2_train(rank: int, world_size: int, even: bool, set_to_none: bool) -> dict[str, Any]:
@@ -116,33 +85,19 @@ def _rank_fsdp2_train(rank: int, world_size: int, even: bool, set_to_none: bool)
             scaler.step(optimizer)
             scaler.update()
         results[name] = [p.to_local().detach().clone() for p in model.parameters()]
-        if name == "ours":  # did the check take whole buffers?
-            layouts = scaler._stepper._walk._layouts.values()
-            flat = any(
-                isinstance(entry, tuple)
-                for layout in layouts
-                for entries in layout.entries.values()
-                for entry in entries
-            )
     return {
         "identical": all(
             torch.equal(a, b) for a, b in zip(results["ours"], results["torch"], strict=True)
-        ),
-        "flat": flat,
+        )
     }
 
 
 @pytest.mark.parametrize("even", [True, False])
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_fsdp2_cached_and_flat_path_matches_torch_bit_for_bit(
-    even: bool, set_to_none: bool
-) -> None:
+def test_fsdp2_matches_torch_bit_for_bit(even: bool, set_to_none: bool) -> None:
+    """New gradients every step or the same ones, shards padded or not."""
     results = run_ranks(_rank_fsdp2_train, 2, even, set_to_none)
     assert all(result["identical"] for result in results)
-    # Whole buffers where the shards tile them and the gradients stay the same tensors. 15 rows
-    # over 2 ranks: rank 0 holds 8 (no padding: its shards tile), rank 1 holds 7 + 1 padded.
-    expected = [not set_to_none, even and not set_to_none]
-    assert [result["flat"] for result in results] == expected
 
 
 def _rank_padding_is_never_read(rank: int, world_size: int) -> dict[str, Any]:
@@ -220,7 +175,7 @@ def _rank_replica_counts_follow_the_gradients_layout(rank: int, world_size: int)
     for placement in (Shard(0), Shard(0), Replicate(), Replicate(), Shard(0)):
         local = torch.ones(4 if isinstance(placement, Shard) else 4 * world_size)
         param.grad = DTensor.from_local(local, mesh, [placement])
-        groups, plain, _holds = walk.groups("k", [param], world_size)
+        groups, plain, _holds = walk.groups([param], world_size)
         assert not plain
         ((_device, _dtype, replicas),) = groups
         counts.append(replicas)
