@@ -238,6 +238,7 @@ def test_plain_loss_and_gradient_accumulation_scaled_grad_norm_matches_bf16(
 
     checks = {check["case"]: check for check in _lines(tmp_path / "checks-0.jsonl")}
     expected = {
+        "older_torch": ("RuntimeError", "set_timeout after the first step, which torch 2."),
         "own_loss": ("ValueError", "OwnLoss.Config. A loss that runs backward inside its call"),
         "chunked_own_loss": ("ValueError", "got the loss ChunkedLossWrapper.Config(_config_"),
         "bf16_parameters": ("ValueError", "training.dtype must be 'float32', got 'bfloat16'"),

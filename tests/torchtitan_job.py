@@ -379,7 +379,16 @@ def _config_checks() -> list[dict[str, Any]]:
         finally:
             titan_utils.clip_grad_norm_ = clip
 
+    def older_torch() -> Any:
+        set_timeout = dist.set_timeout
+        del dist.set_timeout  # as torch 2.13 and older
+        try:
+            return fp16(llama3_cpu())
+        finally:
+            dist.set_timeout = set_timeout
+
     cases = {
+        "older_torch": older_torch,
         "own_loss": lambda: fp16(own_loss()),
         "chunked_own_loss": lambda: fp16(chunked_own_loss()),
         "bf16_parameters": lambda: fp16(bf16_parameters()),

@@ -83,11 +83,19 @@ def fp16(config: Any, **scaler_kwargs: Any) -> Any:
         The converted config.
 
     Raises:
+        RuntimeError: this torch lacks `torch.distributed.set_timeout`, which torchtitan 0.3.0
+            calls after the first step (torch 2.14 added it).
         TypeError: `config` is not a torchtitan trainer config, or an option is unknown.
         ValueError: the loss cannot be scaled correctly, `training.dtype` is not float32, the
             config is converted already, an option breaks its rule, or it is one the trainer
             sets (`device`, `enabled`, `process_group`).
     """
+    if not hasattr(torch.distributed, "set_timeout"):
+        raise RuntimeError(
+            f"torchtitan {_version()} calls torch.distributed.set_timeout after the first step, "
+            f"which torch {torch.__version__} lacks (torch 2.14 added it): train torchtitan in "
+            "fp16 on torch 2.14 or newer"
+        )
     owner: Any = getattr(type(config), "_owner", None)
     if not (isinstance(owner, type) and issubclass(owner, Trainer)):
         raise TypeError(
