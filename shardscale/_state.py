@@ -133,6 +133,12 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> Sca
     our_keys = OUR_KEYS_BY_VERSION[version]
     known = {*TORCH_KEYS, *our_keys}
     unknown = sorted(str(k) for k in keys - known)
+    newer = [v for v, ks in OUR_KEYS_BY_VERSION.items() if v and not set(unknown) - set(ks)]
+    if unknown and version == 0 and newer:  # a newer format's keys, without its version
+        raise ValueError(
+            f"state_dict has format version {min(newer)}'s key(s) {unknown} but no "
+            "'format_version': add the version it was saved with, or remove those keys"
+        )
     if unknown:
         raise ValueError(
             f"state_dict has unknown key(s) {unknown} for format version {version}; expected "

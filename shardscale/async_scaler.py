@@ -167,6 +167,8 @@ class AsyncShardedGradScaler(ShardedGradScaler):
                 f"{type(flag_backend).__name__}"
             )
         timeout = timeout_option("step_timeout", step_timeout)
+        if timeout is None:  # unbounded: a step that never comes would hang every rank
+            raise ValueError("step_timeout must be a finite time > 0, got None")
         # A process group of the scaler's own, made now on every rank: the optimizer thread's
         # collectives must not interleave with the model's.
         group = Exchange(
@@ -175,7 +177,6 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         super().__init__(
             device, **(kwargs if group is None else {**kwargs, "process_group": group})
         )
-        assert timeout is not None
         self._step_timeout = timeout.total_seconds()
         self._own_group = group is not None
         self._lock = threading.Condition()

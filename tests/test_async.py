@@ -186,6 +186,8 @@ def test_async_errors_name_the_rule() -> None:
         AsyncShardedGradScaler(verify_every=5)
     with pytest.raises(ValueError, match="step_timeout must be a finite time > 0, got 0"):
         AsyncShardedGradScaler(step_timeout=0)
+    with pytest.raises(ValueError, match="step_timeout must be a finite time > 0, got None"):
+        AsyncShardedGradScaler(step_timeout=None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(scaler)
 

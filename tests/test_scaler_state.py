@@ -124,6 +124,12 @@ _V2_KEYS = ("format_version", "forward_overflows", "retries")  # what format 0 l
             r"unknown key\(s\) \['new_key'\] for format version 0",
         ),
         (
+            {k: v for k, v in _GOOD.items() if k != "format_version"},
+            ValueError,
+            r"format version 2's key\(s\) \['forward_overflows', 'retries'\] but no "
+            r"'format_version'",
+        ),
+        (
             {k: v for k, v in _GOOD.items() if k != "hysteresis"},
             ValueError,
             r"some of shardscale's keys but not \['hysteresis'\]",

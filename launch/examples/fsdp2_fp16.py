@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="train until this step")
     parser.add_argument("--checkpoint-dir", default="checkpoints", help="save and resume here")
     parser.add_argument("--checkpoint-every", type=int, default=50, help="and at the last step")
+    parser.add_argument("--growth-interval", type=int, default=2000, help="clean steps to double")
     args = parser.parse_args()
 
     if torch.cuda.is_available():
@@ -117,7 +118,7 @@ def main() -> None:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=device.type == "cuda")
-    scaler = ShardedGradScaler()  # every rank skips together when any rank overflows
+    scaler = ShardedGradScaler(growth_interval=args.growth_interval)  # all ranks skip together
 
     state = {"training": Training(model, optimizer), "scaler": scaler}
     start, checkpoint = latest_checkpoint(args.checkpoint_dir)
