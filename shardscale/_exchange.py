@@ -51,6 +51,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from enum import IntEnum
 from typing import Any, cast
 
 import torch
@@ -58,17 +59,22 @@ import torch.distributed as dist
 
 from shardscale._errors import ShardScaleDistributedError, ShardScaleWarning, no_scale_message
 from shardscale._grads import move
-from shardscale._torch import group_device_types, view_base
+from shardscale._torch import group_device_types
 
 _NO_GRADS = (
     "No inf checks were recorded for this optimizer: none of its parameters has a gradient "
     "on any of the {world_size} rank(s). Call scaler.scale(loss).backward() before step()."
 )
-_HOLDS, _SKIP, _FORWARD, _SCALED, _NORM = range(5)
 _TIMED_OUT = re.compile(r"timed out|timeout(?!\s*\(ms\))", re.IGNORECASE)
 """A backend reporting a timeout: gloo's "Timed out waiting", NCCL's "Watchdog caught collective
 operation timeout" (not the "Timeout(ms)=..." NCCL prints in every work's name)."""
 _BROKEN = re.compile(r"connection (reset|closed|refused)|broken pipe", re.IGNORECASE)
+
+
+# The ballot's slots, in the order they travel (see the module); the agreed flags of a
+# `Verdict`, its skip and forward-overflow slots: `verdict.flags[Flag.SKIP]`.
+Slot = IntEnum("Slot", "HOLDS SKIP FORWARD SCALED NORM", start=0)
+Flag = IntEnum("Flag", "SKIP FORWARD", start=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +87,9 @@ class Ballot:
     skip: torch.Tensor
     """The skip slot (a view): the local check raises it for gradients on the ballot's device,
     so their flag costs no kernel of its own."""
+    norm: torch.Tensor | None = None
+    """The norm slot (a view), where this rank's share of the gradient norm goes; None without
+    one."""
     loss_checked: bool = False
     """Whether a loss's finiteness went into the forward-overflow slot."""
 
@@ -98,7 +107,7 @@ class Verdict:
     @property
     def found_inf(self) -> torch.Tensor:
         """The skip flag (float32 scalar): what torch's scalers call `found_inf`."""
-        return self.flags[0]
+        return self.flags[Flag.SKIP]
 
 
 def timeout_option(name: str, value: timedelta | float | None) -> timedelta | None:
@@ -269,9 +278,10 @@ class Exchange:
             )
         if loss_nonfinite is None:
             votes = templates[0].clone()
-            return Ballot(votes, holds_grads, votes[_SKIP])
-        votes = torch.where(move(loss_nonfinite, templates.device), templates[1], templates[0])
-        return Ballot(votes, holds_grads, votes[_SKIP], loss_checked=True)
+        else:
+            votes = torch.where(move(loss_nonfinite, templates.device), templates[1], templates[0])
+        norm = votes[Slot.NORM] if with_norm else None
+        return Ballot(votes, holds_grads, votes[Slot.SKIP], norm, loss_nonfinite is not None)
 
     def agree(
         self,
@@ -290,7 +300,7 @@ class Exchange:
                 gradients are on its device.
             local_flags: float32 scalar flags of local checks, on any device (1.0: an element
                 was non-finite): those of other devices than the ballot's, and of checks made
-                before the ballot (`unscale_`); the ballot's own slot may be among them.
+                before the ballot (`unscale_`); never the ballot's own slot.
             device: the scale's device, where the verdict's tensors are returned.
             step: the step being taken, for error messages.
             confirm_scale: the method being called (`"step"`...) on a rank that never called
@@ -307,22 +317,18 @@ class Exchange:
                 `scale()`: every rank raises together, torch's words.
             ShardScaleDistributedError: a rank did not arrive within `timeout`, or left.
         """
-        votes = ballot.tensor
-        slot = votes[_SKIP]
-        # The slot itself, told by being a view of the ballot at its offset (not by data_ptr:
-        # on the meta device, the CPU suite's stand-in for a GPU, every data_ptr is 0).
+        votes, slot = ballot.tensor, ballot.skip
         others = False
         for flag in local_flags:  # one kernel per other flag (devices, earlier checks)
-            if not (view_base(flag) is votes and flag.storage_offset() == slot.storage_offset()):
-                torch.maximum(slot, move(flag, votes.device), out=slot)
-                others = True
+            torch.maximum(slot, move(flag, votes.device), out=slot)
+            others = True
         if ballot.loss_checked:  # a forward overflow: a non-finite loss, gradients to match
-            votes[_FORWARD].mul_(slot)
+            votes[Slot.FORWARD].mul_(slot)
         if norm_type is not None and (others or math.isinf(norm_type)):
             # A flag that is not the norms' own (or a max, which NCCL may take NaN-blind) must
             # still show in the norm: this share goes in as inf. Otherwise the slot was raised
             # only where a norm was non-finite, so the share already is.
-            votes[_NORM].masked_fill_(slot > 0, math.inf)
+            votes[Slot.NORM].masked_fill_(slot > 0, math.inf)
         summed = norm_type is not None and not math.isinf(norm_type)
         if self.world_size > 1:
             op = dist.ReduceOp.SUM if summed else dist.ReduceOp.MAX
@@ -330,16 +336,16 @@ class Exchange:
             self._collective(dist.all_reduce, votes, step, f"{what} (all_reduce)", op=op)
         if confirm_scale is not None or not ballot.holds_grads:  # the one host read, these only
             agreed = votes.tolist()
-            if confirm_scale is not None and agreed[_SCALED] == 0.0:
+            if confirm_scale is not None and agreed[Slot.SCALED] == 0.0:
                 raise RuntimeError(no_scale_message(confirm_scale))
-            if agreed[_HOLDS] == 0.0:
+            if agreed[Slot.HOLDS] == 0.0:
                 raise RuntimeError(_NO_GRADS.format(world_size=self.world_size))
-        flags = votes[_SKIP : _FORWARD + 1]
+        flags = votes[Slot.SKIP : Slot.FORWARD + 1]  # in Flag's order
         if summed and self.world_size > 1:
             flags = flags.clamp(max=1.0)  # counts of ranks: exactly 0/1 after this
         if norm_type is None:
             return Verdict(flags=move(flags, device))
-        total = votes[_NORM]
+        total = votes[Slot.NORM]
         if summed and norm_type != 1.0:
             total = total.pow(1.0 / norm_type)
         return Verdict(flags=move(flags, device), total_norm=move(total, device))

@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from shardscale._errors import ShardScaleSkipError, ShardScaleWarning
 from shardscale._locate import logger
 from shardscale._policy import ScalePolicy
-from shardscale._state import Counters, DeviceState, unpack
+from shardscale._state import Count, Counters, DeviceState, unpack
 
 LOG_INTERVAL_S = 10.0
 """At most one skipped-step message per this many seconds; the next one counts the rest."""
@@ -211,7 +211,7 @@ class StepReporter:
         """
         if self._warned_at_floor or not policy.dynamic:
             return float(state.scale.item())
-        scale, skipped = torch.stack((state.scale.double(), state.counters[1])).tolist()
+        scale, skipped = torch.stack((state.scale.double(), state.counters[Count.SKIPPED])).tolist()
         if scale <= policy.min_scale and skipped > 0:
             self._warned_at_floor = True
             warnings.warn(

@@ -21,11 +21,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
+from enum import IntEnum
 from typing import Any
 
 import torch
 
 from shardscale._errors import no_scale_message
+from shardscale._exchange import Flag
 from shardscale._policy import ScalePolicy, ScaleState, check_bool, check_int, check_real
 
 FORMAT_VERSION = 2
@@ -224,16 +226,28 @@ def _version(state_dict: Mapping[str, Any]) -> int:
     return version
 
 
-# The step counter's update, `counters = counters * rows[0] + rows[1]`, with `rows` linear in the
-# agreed flags (s: the step was skipped, l: of which for a forward overflow):
-#   rows[0] = [1, 1, s, 1 - s, 1, 1, 0]
-#   rows[1] = [1, s, s, 1 - s, l, 0, s - l]
-# for [steps, skipped, consecutive, since the last overflow, forward overflows, retries] and one
-# more slot, s - l, the gradient overflow the scale policy backs off for.
-_COUNT_BASE = [[1, 1, 0, 1, 1, 1, 0], [1, 0, 0, 1, 0, 0, 0]]
-_COUNT_SLOPES = [
-    [[0, 0, 1, -1, 0, 0, 0], [0, 1, 1, -1, 0, 0, 1]],
-    [[0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 1, 0, -1]],
+# The slots of `DeviceState.counters` (`Counters`' fields; SINCE_OVERFLOW: steps since the last
+# overflow), and one more of their update, BACKOFF: the gradient overflow the policy backs off for.
+Count = IntEnum(
+    "Count", "STEPS SKIPPED CONSECUTIVE SINCE_OVERFLOW FORWARD_OVERFLOWS RETRIES BACKOFF", start=0
+)
+
+
+# A step's update of the counters is `counters * keep + add`, `keep` and `add` linear in the
+# agreed flags s (skipped) and f (of which a forward overflow): per slot, (keep, add), each as
+# (constant, per s, per f). BACKOFF's `add` is s - f.
+_UPDATE = {
+    Count.STEPS: ((1, 0, 0), (1, 0, 0)),
+    Count.SKIPPED: ((1, 0, 0), (0, 1, 0)),
+    Count.CONSECUTIVE: ((0, 1, 0), (0, 1, 0)),
+    Count.SINCE_OVERFLOW: ((1, -1, 0), (1, -1, 0)),
+    Count.FORWARD_OVERFLOWS: ((1, 0, 0), (0, 0, 1)),
+    Count.RETRIES: ((1, 0, 0), (0, 0, 0)),
+    Count.BACKOFF: ((0, 0, 0), (0, 1, -1)),
+}
+# as matrices: [keep..., add...] = base + [s, f] @ slopes
+_COUNT_TERMS = [
+    [row[part][term] for part in (0, 1) for row in _UPDATE.values()] for term in range(3)
 ]
 
 
@@ -253,13 +267,11 @@ class DeviceState:
     hysteresis_tracker: torch.Tensor
     """int32 scalar."""
     counters: torch.Tensor
-    """float64 `[steps, skipped_steps, consecutive_skips, steps since the last overflow,
-    forward_overflows, retries]` (exact to 2**53). Steps since the last overflow rather than its
-    step number, because it updates with the same multiply-add as the others."""
-    count_base: torch.Tensor
-    """`_COUNT_BASE` on this device (float32, 1 x 14)."""
-    count_slopes: torch.Tensor
-    """`_COUNT_SLOPES` on this device (float32, 2 x 14)."""
+    """float64, by `Count`: `[steps, skipped_steps, consecutive_skips, steps since the
+    last overflow, forward_overflows, retries]` (exact to 2**53). Steps since the last overflow
+    rather than its step number, because it updates with the same multiply-add as the others."""
+    count_terms: torch.Tensor
+    """`_COUNT_TERMS` on this device (float32, 3 x 14: the base, then the slopes)."""
 
     @classmethod
     def create(cls, state: ScalerState, device: torch.device) -> DeviceState:
@@ -269,10 +281,7 @@ class DeviceState:
             growth_tracker=torch.empty((), dtype=torch.int32, device=device),
             hysteresis_tracker=torch.empty((), dtype=torch.int32, device=device),
             counters=torch.zeros(6, dtype=torch.float64, device=device),
-            count_base=torch.tensor(_COUNT_BASE, dtype=torch.float32, device=device).view(1, 14),
-            count_slopes=torch.tensor(_COUNT_SLOPES, dtype=torch.float32, device=device).view(
-                2, 14
-            ),
+            count_terms=torch.tensor(_COUNT_TERMS, dtype=torch.float32, device=device),
         )
         device_state.write(state)
         return device_state
@@ -304,22 +313,23 @@ class DeviceState:
         """Count one step and move the scale, from the agreed flags, without a host sync.
 
         Args:
-            flags: float32 `[skipped, forward overflow]`, each exactly 0.0 or 1.0 (a forward
-                overflow is a skip: the second is never above the first).
+            flags: the agreed float32 flags, by `Flag`, each exactly 0.0 or 1.0 (a forward
+                overflow is a skip: never above the skip flag).
             clean: the host read the flags and the step was not skipped (a plain step's
                 decision): there is no forward overflow to hold the scale for, saving two
                 kernels.
             manual: set the scale to this instead of moving it (`update(new_scale=...)`).
         """
-        rows = torch.addmm(self.count_base, flags.view(1, 2), self.count_slopes).view(2, 7)
-        torch.addcmul(rows[1, :6], self.counters, rows[0, :6], out=self.counters)
+        terms = self.count_terms
+        keep, add = torch.addmm(terms[:1], flags.view(1, 2), terms[1:]).view(2, len(Count))
+        torch.addcmul(add[: Count.BACKOFF], self.counters, keep[: Count.BACKOFF], out=self.counters)
         state = (self.scale, self.growth_tracker, self.hysteresis_tracker)
         if manual is not None:
             self.scale.copy_(manual)
         elif clean:
-            policy.update_(*state, flags[0])
-        else:  # a gradient overflow backs off (found: skip - forward); a forward one holds
-            policy.update_(*state, rows[1, 6], flags[1])
+            policy.update_(*state, flags[Flag.SKIP])
+        else:  # a gradient overflow backs off; a forward one holds
+            policy.update_(*state, add[Count.BACKOFF], flags[Flag.FORWARD])
 
     def back_off_for_retry_(self, policy: ScalePolicy) -> bool:
         """Back the scale off once for a rerun of the batch (`step(closure=...)`), and count the
@@ -328,7 +338,7 @@ class DeviceState:
         if not policy.dynamic or float(self.scale.item()) <= policy.min_scale:
             return False
         policy.backoff_(self.scale, self.growth_tracker)
-        self.counters[5].add_(1)  # retries (the layout: `counters`)
+        self.counters[Count.RETRIES].add_(1)
         return True
 
     def packed(self) -> torch.Tensor:

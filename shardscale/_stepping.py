@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from shardscale._check import Kernels, exact_norm_check
 from shardscale._errors import ShardScaleWarning
-from shardscale._exchange import Exchange, Verdict
+from shardscale._exchange import Exchange, Flag, Verdict
 from shardscale._grads import GradGroups, GradWalk, NormGroups, move
 from shardscale._locate import NonFiniteGrad, locate, log_located, optimizer_named_params
 from shardscale._state import ScaleHome
@@ -389,7 +389,9 @@ class Stepper:
             # fused optimizers skip on the device; the others cost the one host read
             skip = not all(map(takes_scale, item_leaves)) and self.read(book, flags)
             results.append(
-                None if skip else _step_on_device(item, records, flags[0], scale, args, kwargs)
+                None
+                if skip
+                else _step_on_device(item, records, flags[Flag.SKIP], scale, args, kwargs)
             )
             for record in records:
                 record.stage = Stage.STEPPED
@@ -401,7 +403,7 @@ class Stepper:
         tensor (the step's one synchronisation), remembered in the book."""
         skip = book.read.get(id(flags))
         if skip is None:
-            skip = book.read[id(flags)] = bool(flags[0].item())
+            skip = book.read[id(flags)] = bool(flags[Flag.SKIP].item())
         return skip
 
     def agree(
@@ -463,13 +465,14 @@ class Stepper:
                 # non-finite norm means a non-finite element; otherwise the elements are checked.
                 exact = exact_norm_check(norms, clip.norm_type)
                 factor = inv if clip_scaled and inv is not None else kernels.one(device)
-                share = ballot.tensor[-1]
+                share = cast(torch.Tensor, ballot.norm)
                 kernels.local_norms_(norms, clip.norm_type, factor, flags if exact else {}, share)
                 if clip_scaled and not exact:
                     kernels.check_(norms, None, flags)
             verdict = self.exchange.agree(
                 ballot,
-                [*flags.values(), *(pending.flags if pending is not None else ())],
+                [f for f in flags.values() if f is not ballot.skip]
+                + list(pending.flags if pending is not None else ()),
                 device=device,
                 step=0 if book is None else book.step,
                 confirm_scale=confirm,
@@ -491,7 +494,7 @@ class Stepper:
             if clip is not None:
                 total = cast(torch.Tensor, verdict.total_norm)  # exchanged with the flags
                 unscaling = inv if clip_scaled else None
-                kernels.clip_(norms, clip.max_norm, total, unscaling, verdict.flags[0])
+                kernels.clip_(norms, clip.max_norm, total, unscaling, verdict.flags[Flag.SKIP])
         return verdict
 
     def _warn_plain_replicas_assumed(self, replicas: int) -> None:
@@ -519,7 +522,7 @@ class Stepper:
         flags = cast(Verdict, records[0].verdict).flags
         if not self.read(book, flags):  # the same on every rank
             return
-        forward = bool(flags[1].item())
+        forward = bool(flags[Flag.FORWARD].item())
         named = [pair for record in records for pair in optimizer_named_params(record.optimizer)]
         losses = book.losses if forward else []
         self.last_overflow = locate(named, self.exchange, book.step, losses)

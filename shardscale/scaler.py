@@ -33,7 +33,7 @@ from shardscale import _compat
 from shardscale._check import check_clip_args
 from shardscale._config import ScalerConfig
 from shardscale._errors import ShardScaleWarning, no_scale_message
-from shardscale._exchange import Exchange
+from shardscale._exchange import Exchange, Flag
 from shardscale._grads import grads_device, move, plain_replicas
 from shardscale._locate import NonFiniteGrad
 from shardscale._policy import ScalePolicy
@@ -397,7 +397,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             if closure is None or attempt == self._config.max_retries:
                 break
             flags = combined(book.flags())
-            if not self._stepper.read(book, flags) or flags[1].item():
+            if not self._stepper.read(book, flags) or flags[Flag.FORWARD].item():
                 break  # stepped; or a forward overflow: skipped
             if not self._home.require("step").back_off_for_retry_(self.policy):
                 break  # the scale cannot go lower: skipped
@@ -553,7 +553,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """
         if isinstance(self._last, torch.Tensor):
             # Read each time, never cached: a CUDA-graph replay updates this very tensor.
-            return bool(self._last[0].item())
+            return bool(self._last[Flag.SKIP].item())
         return self._last
 
     @property
