@@ -23,8 +23,6 @@ local_tensor = operator.attrgetter("_local_tensor")
 """A DTensor's local shard: what `to_local()` returns, without its autograd function."""
 dtensor_spec = operator.attrgetter("_spec")
 """A DTensor's sharding spec: FSDP2 hands each step's gradient its parameter's one spec object."""
-view_base = operator.attrgetter("_base")
-"""The tensor a view was taken of (None for a tensor that is no view)."""
 sparse_values = operator.methodcaller("_values")
 """A sparse COO tensor's values, duplicates included (`values()` refuses uncoalesced ones)."""
 group_by_device_and_dtype = _group_tensors_by_device_and_dtype

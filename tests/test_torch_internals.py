@@ -29,7 +29,6 @@ from shardscale._torch import (
     no_torch_function_subclass,
     sparse_values,
     update_scale_,
-    view_base,
 )
 
 TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
@@ -48,13 +47,6 @@ def test_dtensor_local_tensor_and_spec(world_of_one: dist.ProcessGroup) -> None:
     assert torch.equal(local_tensor(dtensor), local)
     assert dtensor_spec(dtensor).placements == (Shard(0),)
     assert dtensor_spec(DTensor.from_local(local, mesh, [Replicate()])).placements == (Replicate(),)
-
-
-def test_view_base() -> None:
-    base = torch.zeros(8)
-    assert view_base(base[2:6]) is base
-    assert view_base(base.view(2, 4)) is base
-    assert view_base(base) is None
 
 
 def test_sparse_values_keep_duplicates() -> None:
