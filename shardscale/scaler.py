@@ -195,14 +195,15 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """Build the scaler's parts (also for `__setstate__`, which bypasses `__init__`)."""
         self._config = config
         self._enabled = enabled
-        self._exchange = Exchange(config.process_group, config.sync_timeout)
         # The state on the host until the first scale() (or step) puts it on a device.
         self._home = ScaleHome(state)
-        self._stepper = Stepper(self._exchange, self._home, locate_overflow=config.locate_overflow)
+        # The one owner of the process group and its collectives: the stepper's exchange.
+        exchange = Exchange(config.process_group, config.sync_timeout)
+        self._stepper = Stepper(exchange, self._home, locate_overflow=config.locate_overflow)
         self._reporter = StepReporter(config.max_consecutive_skips)
-        # The steps counted so far, kept on the host too: messages name the step without a read.
-        self._steps = state.counters.steps
-        self._book = IterationBook(step=self._steps + 1)
+        # The iteration under way; its step number, counted on the host too (the device counts
+        # the steps for replayed graphs), names the step in messages without a read.
+        self._book = IterationBook(step=state.counters.steps + 1)
         self._last: Decision = False  # the last step()'s decision
         # The loss's scale and non-finite bit a CUDA graph captured step() reading: scale()
         # outside the graph then writes each iteration's into these, in place, for its replays.
@@ -218,7 +219,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
     @property
     def process_group(self) -> dist.ProcessGroup | None:
         """The group whose ranks agree (None: the default group)."""
-        return self._exchange.process_group
+        return self._stepper.exchange.process_group
 
     def is_enabled(self) -> bool:
         """Return whether this scaler scales and checks (False: every method is a no-op)."""
@@ -389,7 +390,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         loss, book = None, self._book
         for attempt in range(self._config.max_retries + 1 if closure is not None else 1):
             if closure is not None:  # this batch, from its start
-                book = self._book = IterationBook(step=self._steps + 1)
+                book = self._book = IterationBook(step=book.step)
                 with torch.enable_grad():
                     loss = closure()
             scale = self._loss_scale("step", optimizer)
@@ -453,7 +454,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """
         max_norm, norm_type = check_clip_args(max_norm, norm_type)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        replicas = plain_replicas(replica_group, self._exchange.world_size)
+        replicas = plain_replicas(replica_group, self._stepper.exchange.world_size)
         if not self._enabled:
             clip = Clip(params, max_norm, norm_type, replicas, scaled=False)
             return cast(torch.Tensor, self._stepper.agree(None, None, "clip", clip=clip).total_norm)
@@ -500,18 +501,18 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if new_scale is None and not flags:
             raise RuntimeError("No inf checks were recorded prior to update.")
         manual = None if new_scale is None else policy.new_scale_tensor(new_scale)
+        taken = book.step if flags else book.step - 1  # the steps taken so far
         if flags:
             found = combined(flags)
             state.apply_(policy, found, book.read.get(id(found)) is False, manual)
-            self._steps += 1
             self._reporter.push(state)
         elif manual is not None:
             state.scale.copy_(manual)
         if state.scale.device.type == "cpu":  # reading the state costs no device synchronisation
-            self._reporter.warn_if_at_floor(state, policy, self._steps)
-        self._book = IterationBook(step=self._steps + 1)
+            self._reporter.warn_if_at_floor(state, policy, taken)
+        self._book = IterationBook(step=taken + 1)
         verify_every = self._config.verify_every
-        if verify_every and flags and self._steps % verify_every == 0:
+        if verify_every and flags and taken % verify_every == 0:
             self.verify_agreement()
 
     def _loss_scale(
@@ -534,7 +535,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             return book.loss_scale
         if self._home.device is not None:
             return self._home.device.scale
-        if self._exchange.world_size == 1:
+        if self._stepper.exchange.world_size == 1:
             raise RuntimeError(no_scale_message(funcname))
         if isinstance(source, list) and source and isinstance(source[0], torch.Tensor):
             params: Iterable[torch.Tensor] = source
@@ -603,7 +604,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             return 1.0
         if self._home.device is None:
             return self._home.host.scale.scale
-        return self._reporter.warn_if_at_floor(self._home.device, self.policy, self._steps)
+        return self._reporter.warn_if_at_floor(self._home.device, self.policy, self._book.step - 1)
 
     def verify_agreement(self) -> None:
         """Check that every rank holds the same scaler state, in one small collective.
@@ -618,12 +619,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
             ShardScaleDistributedError: the ranks differ; the message lists every rank's values
                 for each field that differs. Or a rank did not arrive within `sync_timeout`.
         """
-        if not self._enabled or self._exchange.world_size == 1:
+        if not self._enabled or self._stepper.exchange.world_size == 1:
             return
         fields = to_state_dict(self._home.read())
         values = torch.tensor([float(v) for v in fields.values()], dtype=torch.float64)
         device = self._home.device.scale.device if self._home.device is not None else values.device
-        self._exchange.compare(values.to(device), list(fields), self._steps)
+        self._stepper.exchange.compare(values.to(device), list(fields), self._book.step - 1)
 
     # ------------------------------------------------------------------ state
 
@@ -656,7 +657,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         state = parse_state_dict(state_dict, self.policy)
         self._home.load(state)
         self._reporter.restart(state.counters)
-        self._steps = state.counters.steps
+        self._book.step = state.counters.steps + 1
         self._book.loss_scale = None  # the next loss takes the loaded scale
 
     def __getstate__(self) -> dict[str, Any]:
