@@ -72,7 +72,7 @@ def flat_param_slices(param: torch.Tensor) -> list[tuple[str, int, int]]:
 def in_pipeline_shape_inference(depth: int = 64) -> bool:
     """Whether the caller's caller runs inside a pipeline schedule's backward shape inference.
 
-    torch 2.13's schedules (`PipelineStage._backward_metadata_inference`; none in 2.11) call the
+    torch 2.12+ schedules (`PipelineStage._backward_metadata_inference`; none in 2.11) call the
     loss once, on their first step, on placeholder tensors (uninitialised memory) to learn the
     shapes backward sends: that loss says nothing of the data. Found by walking up at most
     `depth` frames; callers ask only where `torch.distributed.pipelining` is imported.

@@ -122,7 +122,7 @@ def _backward_metadata_inference(scaler: ShardedGradScaler, loss: torch.Tensor) 
     return scaler.scale(loss)
 
 
-@pytest.mark.skipif(TORCH < (2, 13), reason="torch 2.11's schedules do not infer shapes so")
+@pytest.mark.skipif(TORCH < (2, 12), reason="torch 2.11's schedules do not infer shapes so")
 def test_pipeline_shape_inference_is_where_torch_calls_the_loss_on_placeholders() -> None:
     from torch.distributed.pipelining.stage import PipelineStage
 
