@@ -119,9 +119,11 @@ def test_plain_step_at_most_one_host_read_no_copy(case: Case) -> None:
 
 
 @pytest.mark.parametrize("flavour", ["plain", "fused"])
-def test_clip_step_update_at_most_20_kernels(flavour: str) -> None:
+def test_clip_step_update_at_most_21_kernels(flavour: str) -> None:
+    """20 until the norms were stacked per group (one op more here; on CUDA a launch per ~128
+    norms instead of one per norm: docs/benchmarks.md)."""
     counts = measure(Case(flavour, clip=True))
-    assert counts.kernels <= 20
+    assert counts.kernels <= 21
 
 
 KERNEL_CASES = {
@@ -139,8 +141,9 @@ def test_kernels_per_step_independent_of_gradient_count(label: str) -> None:
 
 
 # Kernels per (device, dtype) group beyond the first: a check (or its multiply) per group, and a
-# _foreach_norm per group when clipping; the norms of every group are stacked together.
-EXTRA_PER_DTYPE = {"step": 1, "fused step": 1, "clip": 2, "unscale_ + clip": 3}
+# _foreach_norm and a stack of its norms per group when clipping; the groups' norms are then
+# concatenated together.
+EXTRA_PER_DTYPE = {"step": 1, "fused step": 1, "clip": 3, "unscale_ + clip": 4}
 
 
 @pytest.mark.parametrize("label", list(KERNEL_CASES))
