@@ -66,8 +66,8 @@ def move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=device.type != "cpu")
 
 
-def local_grads(params: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor | None], bool]:
-    """Each parameter's local gradient (None: no gradient), and whether any was sparse.
+def local_grads(params: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
+    """Each parameter's local gradient (None: no gradient).
 
     An uncoalesced sparse gradient is coalesced in place on its parameter first (half precision
     sums through fp32; see the module docstring); `local_grad` reads one without touching it.
@@ -76,20 +76,18 @@ def local_grads(params: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor | N
     # disabled, 0.1 us, as on a plain tensor. This runs per parameter per step.
     with no_torch_function_subclass():
         grads: list[torch.Tensor | None] = list(map(_GRAD, params))
-    sparse = False
     for i, grad in enumerate(grads):
         if grad is None:
             continue
         if isinstance(grad, DTensor):
             grad = grads[i] = local_tensor(grad)
         if grad.is_sparse:
-            sparse = True
             if not grad.is_coalesced():
                 half = grad.dtype in _HALF_DTYPES
                 coalesced = (grad.float() if half else grad).coalesce().to(grad.dtype)
                 params[i].grad = grad = coalesced
             grads[i] = sparse_values(grad)
-    return grads, sparse
+    return grads
 
 
 def local_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -230,7 +228,7 @@ class GradWalk:
             TypeError: a gradient is not floating point.
         """
         params = tuple(params)
-        local, _ = local_grads(params)
+        local = local_grads(params)
         present = [i for i, grad in enumerate(local) if grad is not None]
         grads = cast(list[torch.Tensor], [local[i] for i in present])
         holds = any(grad.numel() for grad in grads)
