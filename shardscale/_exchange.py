@@ -94,7 +94,7 @@ class Ballot:
     """Whether a loss's finiteness went into the forward-overflow slot."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Verdict:
     """What the group agreed on, identical on every rank."""
 
@@ -103,11 +103,20 @@ class Verdict:
     total_norm: torch.Tensor | None = None
     """The global gradient norm (float32 scalar), when one was exchanged; non-finite on every
     rank when any rank's gradients overflowed."""
+    read: bool | None = None
+    """What [`skipped()`][skipped] read on the host; None: not read (a fused step's verdict)."""
 
     @property
     def found_inf(self) -> torch.Tensor:
         """The skip flag (float32 scalar): what torch's scalers call `found_inf`."""
         return self.flags[Flag.SKIP]
+
+    def skipped(self) -> bool:
+        """Whether the group said skip: one host read the first time (a plain step's one
+        synchronisation), remembered for the step's later questions."""
+        if self.read is None:
+            self.read = bool(self.flags[Flag.SKIP].item())
+        return self.read
 
 
 def timeout_option(name: str, value: timedelta | float | None) -> timedelta | None:

@@ -44,8 +44,6 @@ from shardscale._torch import in_pipeline_shape_inference, no_torch_function_sub
 
 OptimizerTarget: TypeAlias = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
 """What `unscale_`/`step` accept: an optimizer (or a container of several), or a list."""
-Decision: TypeAlias = "bool | torch.Tensor"
-"""A step's decision: whether it skipped, as read on the host, or the agreed device flags."""
 
 _CONTAINER_ATTRIBUTES = ("optimizers", "chained_optimizers")
 _OPTIMIZER = operator.attrgetter("optimizer")
@@ -163,15 +161,20 @@ def leaves(target: object) -> list[torch.optim.Optimizer]:
     return list(chain.from_iterable(map(_LEAVES, steppables(target))))
 
 
-def combined(flags: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The largest of agreed flags: itself when they are one tensor (the usual case).
+def combined(verdicts: Iterable[Verdict]) -> Verdict:
+    """One verdict for several: itself when they are one (the usual case), else a new one
+    whose flags are the largest of theirs (not read on the host yet).
 
-    The one place flags are combined (several optimizers, agreements, leaves of a container).
+    The one place verdicts are combined (several optimizers, agreements, leaves of a container).
     """
-    distinct = list(dict(zip(map(id, flags), flags, strict=True)).values())
+    distinct: list[Verdict] = []
+    for verdict in verdicts:
+        if not any(verdict is seen for seen in distinct):
+            distinct.append(verdict)
     if len(distinct) == 1:
         return distinct[0]
-    return torch.stack([move(f, distinct[0].device) for f in distinct]).amax(0)
+    device = distinct[0].flags.device
+    return Verdict(torch.stack([move(v.flags, device) for v in distinct]).amax(0))
 
 
 @dataclass(slots=True)
@@ -192,8 +195,6 @@ class IterationBook:
     was scaled on this rank)."""
     losses: list[torch.Tensor] = field(default_factory=list)
     """The losses themselves (detached), kept only to locate a forward overflow."""
-    read: dict[int, bool] = field(default_factory=dict)
-    """Agreed flags the host has read, by `id()`: whether they said skip."""
 
     def note_loss(self, loss: torch.Tensor, keep: bool, into: torch.Tensor | None) -> None:
         """Remember on the device whether `loss` is finite: two kernels (a third for a loss of
@@ -287,13 +288,9 @@ class IterationBook:
                 unscaled.append(record)
         return set(map(id, _params(unscaled)))
 
-    def flags(self) -> list[torch.Tensor]:
-        """The agreed `[skip, forward overflow]` flags of this iteration, each tensor once."""
-        distinct: dict[int, torch.Tensor] = {}
-        for record in self.records.values():
-            if record.verdict is not None:
-                distinct[id(record.verdict.flags)] = record.verdict.flags
-        return list(distinct.values())
+    def verdicts(self) -> list[Verdict]:
+        """The verdicts this iteration's records were given (one per agreement, repeated)."""
+        return [r.verdict for r in self.records.values() if r.verdict is not None]
 
 
 class Stepper:
@@ -368,43 +365,29 @@ class Stepper:
         scale: torch.Tensor,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-    ) -> tuple[list[Any], Decision]:
+    ) -> tuple[list[Any], Verdict]:
         """Step the checked `items` (from [`check()`][check]), or skip them, as agreed.
 
         Returns:
-            What each item's `step()` returned (None where skipped), and the decision: whether
-            it skipped as the host read it (one read where any optimizer is not fused), or, if
-            none was read, the agreed device flags.
+            What each item's `step()` returned (None where skipped), and the step's verdict
+            (read on the host where any optimizer is not fused).
         """
         results = []
         every = []
         for item, item_leaves in items:
-            records, item_flags = [], []
-            for leaf in item_leaves:
-                record = book.records[id(leaf)]
-                records.append(record)
-                item_flags.append(cast(Verdict, record.verdict).flags)
-            flags = combined(item_flags)
-            every.append(flags)
+            records = [book.records[id(leaf)] for leaf in item_leaves]
+            verdict = combined(cast(Verdict, record.verdict) for record in records)
+            every.append(verdict)
             # fused optimizers skip on the device; the others cost the one host read
-            skip = not all(map(takes_scale, item_leaves)) and self.read(book, flags)
+            skip = not all(map(takes_scale, item_leaves)) and verdict.skipped()
             results.append(
                 None
                 if skip
-                else _step_on_device(item, records, flags[Flag.SKIP], scale, args, kwargs)
+                else _step_on_device(item, records, verdict.found_inf, scale, args, kwargs)
             )
             for record in records:
                 record.stage = Stage.STEPPED
-        overall = combined(every)
-        return results, book.read.get(id(overall), overall)
-
-    def read(self, book: IterationBook, flags: torch.Tensor) -> bool:
-        """Whether an agreed `[skip, forward overflow]` says skip: one host read per flags
-        tensor (the step's one synchronisation), remembered in the book."""
-        skip = book.read.get(id(flags))
-        if skip is None:
-            skip = book.read[id(flags)] = bool(flags[Flag.SKIP].item())
-        return skip
+        return results, combined(every)
 
     def agree(
         self,
@@ -519,10 +502,10 @@ class Stepper:
         (and losses) of `records`, on every rank alike."""
         if not records:
             return
-        flags = cast(Verdict, records[0].verdict).flags
-        if not self.read(book, flags):  # the same on every rank
+        verdict = cast(Verdict, records[0].verdict)
+        if not verdict.skipped():  # the same on every rank
             return
-        forward = bool(flags[Flag.FORWARD].item())
+        forward = bool(verdict.flags[Flag.FORWARD].item())
         named = [pair for record in records for pair in optimizer_named_params(record.optimizer)]
         losses = book.losses if forward else []
         self.last_overflow = locate(named, self.exchange, book.step, losses)

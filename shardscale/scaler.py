@@ -33,7 +33,7 @@ from shardscale import _compat
 from shardscale._check import check_clip_args
 from shardscale._config import ScalerConfig
 from shardscale._errors import ShardScaleWarning, no_scale_message
-from shardscale._exchange import Exchange, Flag
+from shardscale._exchange import Exchange, Flag, Verdict
 from shardscale._grads import grads_device, move, plain_replicas
 from shardscale._locate import NonFiniteGrad
 from shardscale._policy import ScalePolicy
@@ -42,7 +42,6 @@ from shardscale._state import Counters, ScaleHome, ScalerState, parse_state_dict
 from shardscale._stepping import (
     Clip,
     Clipped,
-    Decision,
     IterationBook,
     OptimizerTarget,
     Stage,
@@ -204,7 +203,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         # The iteration under way; its step number, counted on the host too (the device counts
         # the steps for replayed graphs), names the step in messages without a read.
         self._book = IterationBook(step=state.counters.steps + 1)
-        self._last: Decision = False  # the last step()'s decision
+        self._last: Verdict | None = None  # the last step()'s verdict
         # The loss's scale and non-finite bit a CUDA graph captured step() reading: scale()
         # outside the graph then writes each iteration's into these, in place, for its replays.
         self._captured: tuple[torch.Tensor, torch.Tensor | None] | None = None
@@ -397,8 +396,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
             items = self._stepper.check(book, optimizer, scale)
             if closure is None or attempt == self._config.max_retries:
                 break
-            flags = combined(book.flags())
-            if not self._stepper.read(book, flags) or flags[Flag.FORWARD].item():
+            verdict = combined(book.verdicts())
+            if not verdict.skipped() or verdict.flags[Flag.FORWARD].item():
                 break  # stepped; or a forward overflow: skipped
             if not self._home.require("step").back_off_for_retry_(self.policy):
                 break  # the scale cannot go lower: skipped
@@ -497,14 +496,14 @@ class ShardedGradScaler(torch.amp.GradScaler):
         state, book, policy = self._home.require("update"), self._book, self._home.host.policy
         if book.pending is not None:  # unscale_() without step(): agree on it now
             self._stepper.agree(book, state.scale, "update")
-        flags = book.flags()
-        if new_scale is None and not flags:
+        verdicts = book.verdicts()
+        if new_scale is None and not verdicts:
             raise RuntimeError("No inf checks were recorded prior to update.")
         manual = None if new_scale is None else policy.new_scale_tensor(new_scale)
-        taken = book.step if flags else book.step - 1  # the steps taken so far
-        if flags:
-            found = combined(flags)
-            state.apply_(policy, found, book.read.get(id(found)) is False, manual)
+        taken = book.step if verdicts else book.step - 1  # the steps taken so far
+        if verdicts:
+            verdict = combined(verdicts)
+            state.apply_(policy, verdict.flags, verdict.read is False, manual)
             self._reporter.push(state)
         elif manual is not None:
             state.scale.copy_(manual)
@@ -512,7 +511,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             self._reporter.warn_if_at_floor(state, policy, taken)
         self._book = IterationBook(step=taken + 1)
         verify_every = self._config.verify_every
-        if verify_every and flags and taken % verify_every == 0:
+        if verify_every and verdicts and taken % verify_every == 0:
             self.verify_agreement()
 
     def _loss_scale(
@@ -552,10 +551,11 @@ class ShardedGradScaler(torch.amp.GradScaler):
         Free after a non-fused step (its decision was already read); after a fused step,
         reading it costs one host synchronisation on an accelerator.
         """
-        if isinstance(self._last, torch.Tensor):
-            # Read each time, never cached: a CUDA-graph replay updates this very tensor.
-            return bool(self._last[Flag.SKIP].item())
-        return self._last
+        last = self._last
+        if last is None or last.read is not None:
+            return bool(last and last.read)
+        # Read each time, never remembered: a CUDA-graph replay updates this very tensor.
+        return bool(last.found_inf.item())
 
     @property
     def stats(self) -> ScalerStats:
@@ -765,7 +765,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         ]
         if not flags:
             return _compat.ReadOnlyDict()
-        flag = combined(flags)
+        flag = combined(Verdict(f) for f in flags).flags
         return _compat.ReadOnlyDict({flag.device: flag})
 
     def _check_inf_per_device(self, optimizer: OptimizerTarget) -> dict[str, Any]:
@@ -843,8 +843,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         records, _adopted = self._book.begin_step(optimizers)
         warnings.warn(_compat.GRAD_SCALER_WARNING, FutureWarning, stacklevel=3)
         result = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
-        flags = [record.verdict.flags for record in records if record.verdict is not None]
-        self._last = combined(flags) if flags else False
+        verdicts = [record.verdict for record in records if record.verdict is not None]
+        self._last = combined(verdicts) if verdicts else None
         for record in records:
             record.stage = Stage.STEPPED
         return result
