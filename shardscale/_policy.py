@@ -226,6 +226,8 @@ class ScalePolicy:
         hysteresis_tracker: torch.Tensor,
         found_inf: torch.Tensor,
         forward: torch.Tensor | None = None,
+        *,
+        clean: bool = False,
     ) -> None:
         """Apply [`next()`][next] in place to the device tensors, without a host sync.
 
@@ -239,6 +241,8 @@ class ScalePolicy:
                 there was none. Two kernels hold the state then: torch's kernel counts a
                 clean step (`found_inf` is 0), so the growth tracker is first set back by
                 one, and the scale cannot grow.
+            clean: the host knows that `found_inf` is 0: the scale can only grow, so without
+                a finite `max_scale` no clamp is needed (torch's kernel never grows it to inf).
         """
         if not self.dynamic:
             return
@@ -246,7 +250,7 @@ class ScalePolicy:
             growth_tracker.sub_(forward.to(torch.int32))
         if self.hysteresis == 1:
             # The common case in two kernels: torch's own update, then the floor and ceiling.
-            self._torch_update_(scale, growth_tracker, found_inf)
+            self._torch_update_(scale, growth_tracker, found_inf, clean)
             return
         # Hysteresis on top of torch's kernel: the kernel backs off or grows; an overflow still
         # tolerated keeps the old scale (the kernel already zeroed the growth tracker, as the
@@ -254,7 +258,7 @@ class ScalePolicy:
         # allowance, and a forward overflow (no step at all) does not.
         tolerated = (found_inf > 0) & (hysteresis_tracker > 1)
         kept = scale.clone()
-        self._torch_update_(scale, growth_tracker, found_inf)
+        self._torch_update_(scale, growth_tracker, found_inf, clean)
         torch.where(tolerated, kept, scale, out=scale)
         grew = (growth_tracker == 0) & (found_inf == 0)
         if forward is not None:
@@ -274,10 +278,15 @@ class ScalePolicy:
         self._torch_update_(scale, growth_tracker, one)
 
     def _torch_update_(
-        self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor
+        self,
+        scale: torch.Tensor,
+        growth_tracker: torch.Tensor,
+        found_inf: torch.Tensor,
+        clean: bool = False,
     ) -> None:
         """torch's update kernel (back off, or grow after the interval), then the floor and
-        ceiling, which torch's kernel does not know."""
+        ceiling, which torch's kernel does not know (none needed for a growth without a
+        ceiling: `clean`)."""
         update_scale_(
             scale,
             growth_tracker,
@@ -286,4 +295,5 @@ class ScalePolicy:
             self.backoff_factor,
             self.growth_interval,
         )
-        scale.clamp_(min=self.min_scale, max=self.max_scale)
+        if not (clean and math.isinf(self.max_scale)):
+            scale.clamp_(min=self.min_scale, max=self.max_scale)

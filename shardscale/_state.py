@@ -316,18 +316,20 @@ class DeviceState:
             flags: the agreed float32 flags, by `Flag`, each exactly 0.0 or 1.0 (a forward
                 overflow is a skip: never above the skip flag).
             clean: the host read the flags and the step was not skipped (a plain step's
-                decision): there is no forward overflow to hold the scale for, saving two
-                kernels.
+                decision): the counts move by constants (the flags' terms vanish), and there is
+                no forward overflow to hold the scale for, nor a backoff to floor: three
+                kernels fewer.
             manual: set the scale to this instead of moving it (`update(new_scale=...)`).
         """
         terms = self.count_terms
-        keep, add = torch.addmm(terms[:1], flags.view(1, 2), terms[1:]).view(2, len(Count))
+        rows = terms[0] if clean else torch.addmm(terms[:1], flags.view(1, 2), terms[1:])
+        keep, add = rows.view(2, len(Count))
         torch.addcmul(add[: Count.BACKOFF], self.counters, keep[: Count.BACKOFF], out=self.counters)
         state = (self.scale, self.growth_tracker, self.hysteresis_tracker)
         if manual is not None:
             self.scale.copy_(manual)
         elif clean:
-            policy.update_(*state, flags[Flag.SKIP])
+            policy.update_(*state, flags[Flag.SKIP], clean=True)
         else:  # a gradient overflow backs off; a forward one holds
             policy.update_(*state, add[Count.BACKOFF], flags[Flag.FORWARD])
 

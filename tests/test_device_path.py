@@ -118,12 +118,14 @@ def test_plain_step_at_most_one_host_read_no_copy(case: Case) -> None:
     assert (counts.d2h_blocking, counts.d2h_async) == (0, 0)
 
 
-@pytest.mark.parametrize("flavour", ["plain", "fused"])
-def test_clip_step_update_at_most_21_kernels(flavour: str) -> None:
-    """20 until the norms were stacked per group (one op more here; on CUDA a launch per ~128
-    norms instead of one per norm: docs/benchmarks.md)."""
+@pytest.mark.parametrize(("flavour", "most"), [("plain", 17), ("fused", 21)])
+def test_clip_step_update_kernels_within_torchs_plus_updates_own(flavour: str, most: int) -> None:
+    """torch.amp's `unscale_` + foreach clip + `step` + `update`: 16 and 17 kernels. Ours: the
+    same 15 for the clip, then `update()`'s own: its device counters (1 after a plain step, 2
+    after a fused one) and, after a fused step only, the forward-overflow hold (2) and the floor
+    (1) (docs/benchmarks.md)."""
     counts = measure(Case(flavour, clip=True))
-    assert counts.kernels <= 21
+    assert counts.kernels <= most
 
 
 KERNEL_CASES = {
