@@ -75,8 +75,7 @@ class OptimizerStates(Mapping[Any, ReadOnlyDict]):
         record = self._book.records.get(key) if isinstance(key, int) else None
         if record is None:
             return _fresh_state()
-        pending = self._book.pending
-        if pending is not None and any(r is record for r in pending.records):
+        if any(r is record for r in self._book.pending.records):
             self._settle(self._book)
         return state_of(record)
 

@@ -82,6 +82,9 @@ class Ballot:
     """What this rank puts into the collective (see the module)."""
 
     tensor: torch.Tensor
+    device: torch.device
+    """The scale's device, where the verdict is returned (the tensor is on the group's
+    communication device for it)."""
     holds_grads: bool
     """What the holds slot says, known on the host (a rank without gradients reads the result)."""
     skip: torch.Tensor
@@ -94,7 +97,7 @@ class Ballot:
     """Whether a loss's finiteness went into the forward-overflow slot."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Verdict:
     """What the group agreed on, identical on every rank."""
 
@@ -290,14 +293,14 @@ class Exchange:
         else:
             votes = torch.where(move(loss_nonfinite, templates.device), templates[1], templates[0])
         norm = votes[Slot.NORM] if with_norm else None
-        return Ballot(votes, holds_grads, votes[Slot.SKIP], norm, loss_nonfinite is not None)
+        checked = loss_nonfinite is not None
+        return Ballot(votes, device, holds_grads, votes[Slot.SKIP], norm, checked)
 
     def agree(
         self,
         ballot: Ballot,
         local_flags: Iterable[torch.Tensor],
         *,
-        device: torch.device,
         step: int,
         confirm_scale: str | None = None,
         norm_type: float | None = None,
@@ -310,7 +313,6 @@ class Exchange:
             local_flags: float32 scalar flags of local checks, on any device (1.0: an element
                 was non-finite): those of other devices than the ballot's, and of checks made
                 before the ballot (`unscale_`); never the ballot's own slot.
-            device: the scale's device, where the verdict's tensors are returned.
             step: the step being taken, for error messages.
             confirm_scale: the method being called (`"step"`...) on a rank that never called
                 `scale()`, until the group confirms that some rank did (its ballot says it has
@@ -353,11 +355,11 @@ class Exchange:
         if summed and self.world_size > 1:
             flags = flags.clamp(max=1.0)  # counts of ranks: exactly 0/1 after this
         if norm_type is None:
-            return Verdict(flags=move(flags, device))
+            return Verdict(flags=move(flags, ballot.device))
         total = votes[Slot.NORM]
         if summed and norm_type != 1.0:
             total = total.pow(1.0 / norm_type)
-        return Verdict(flags=move(flags, device), total_norm=move(total, device))
+        return Verdict(flags=move(flags, ballot.device), total_norm=move(total, ballot.device))
 
     def compare(self, values: torch.Tensor, names: Sequence[str], step: int) -> None:
         """Check that every rank holds the same `values` (float64, one per name), in one

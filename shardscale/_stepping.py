@@ -34,10 +34,10 @@ from typing import Any, TypeAlias, cast
 import torch
 from torch.distributed.tensor import DTensor
 
-from shardscale._check import Kernels, exact_norm_check
+from shardscale._check import Flags, Kernels, exact_norm_check
 from shardscale._errors import ShardScaleWarning
-from shardscale._exchange import Exchange, Flag, Verdict
-from shardscale._grads import GradGroups, GradWalk, NormGroups, move
+from shardscale._exchange import Ballot, Exchange, Flag, Verdict
+from shardscale._grads import GradWalk, move
 from shardscale._locate import NonFiniteGrad, locate, log_located, optimizer_named_params
 from shardscale._state import ScaleHome
 from shardscale._torch import in_pipeline_shape_inference, no_torch_function_subclass
@@ -161,18 +161,18 @@ def leaves(target: object) -> list[torch.optim.Optimizer]:
     return list(chain.from_iterable(map(_LEAVES, steppables(target))))
 
 
-def combined(verdicts: Iterable[Verdict]) -> Verdict:
-    """One verdict for several: itself when they are one (the usual case), else a new one
-    whose flags are the largest of theirs (not read on the host yet).
+def combined(records: Iterable[OptimizerRecord]) -> Verdict | None:
+    """The records' verdict: theirs when they share one (the usual case), else a new one whose
+    flags are the largest of theirs (not read on the host yet); None where none has one.
 
     The one place verdicts are combined (several optimizers, agreements, leaves of a container).
     """
     distinct: list[Verdict] = []
-    for verdict in verdicts:
-        if not any(verdict is seen for seen in distinct):
-            distinct.append(verdict)
-    if len(distinct) == 1:
-        return distinct[0]
+    for record in records:
+        if record.verdict is not None and record.verdict not in distinct:  # by identity
+            distinct.append(record.verdict)
+    if len(distinct) <= 1:
+        return distinct[0] if distinct else None
     device = distinct[0].flags.device
     return Verdict(torch.stack([move(v.flags, device) for v in distinct]).amax(0))
 
@@ -189,7 +189,7 @@ class IterationBook:
     loss, which takes the live one); its gradients are divided by exactly this."""
     records: dict[int, OptimizerRecord] = field(default_factory=dict)
     clipped: Clipped | None = None
-    pending: PendingCheck | None = None
+    pending: PendingCheck = field(default_factory=PendingCheck)
     loss_nonfinite: torch.Tensor | None = None
     """bool scalar: some loss `scale()` multiplied in this iteration was inf or NaN (None: none
     was scaled on this rank)."""
@@ -288,10 +288,6 @@ class IterationBook:
                 unscaled.append(record)
         return set(map(id, _params(unscaled)))
 
-    def verdicts(self) -> list[Verdict]:
-        """The verdicts this iteration's records were given (one per agreement, repeated)."""
-        return [r.verdict for r in self.records.values() if r.verdict is not None]
-
 
 class Stepper:
     """Checks, agrees, unscales, clips and steps, for one scaler on one rank.
@@ -328,7 +324,7 @@ class Stepper:
             with torch.no_grad():
                 groups, _, holds = self._walk.groups(_params(to_check))
                 flags = self.kernels.check_(groups, self.kernels.inverse(scale), {})
-            pending = book.pending = book.pending or PendingCheck()
+            pending = book.pending
             pending.records.extend(to_check)
             pending.flags.extend(flags.values())
             pending.holds = pending.holds or holds
@@ -353,7 +349,7 @@ class Stepper:
         for record in records:
             if record.stage is Stage.READY and record.verdict is None:
                 (check if takes_scale(record.optimizer) else unscale).append(record)
-        if unscale or check or book.pending is not None:
+        if unscale or check or book.pending.records:
             # Fused optimizers unscale inside their own kernel: check, don't write.
             self.agree(book, scale, "step", unscale=unscale, check=check)
         return items
@@ -375,109 +371,128 @@ class Stepper:
         results = []
         every = []
         for item, item_leaves in items:
-            records = [book.records[id(leaf)] for leaf in item_leaves]
-            verdict = combined(cast(Verdict, record.verdict) for record in records)
-            every.append(verdict)
+            records = list(map(book.records.__getitem__, map(id, item_leaves)))
+            verdict = cast(Verdict, combined(records))
+            every.extend(records)
             # fused optimizers skip on the device; the others cost the one host read
             skip = not all(map(takes_scale, item_leaves)) and verdict.skipped()
             results.append(
                 None
                 if skip
-                else _step_on_device(item, records, verdict.found_inf, scale, args, kwargs)
+                else _step_on_device(item, records, verdict.flags[Flag.SKIP], scale, args, kwargs)
             )
             for record in records:
                 record.stage = Stage.STEPPED
-        return results, combined(every)
+        return results, cast(Verdict, combined(every))
 
     def agree(
         self,
-        book: IterationBook | None,
-        scale: torch.Tensor | None,
+        book: IterationBook,
+        scale: torch.Tensor,
         funcname: str,
         *,
         unscale: Sequence[OptimizerRecord] = (),
         check: Sequence[OptimizerRecord] = (),
-        clip: Clip | None = None,
     ) -> Verdict:
-        """Check the records' gradients, and agree on ONE verdict for all of them.
+        """Check the records' gradients, and agree on ONE verdict for them and for the checks
+        `unscale_` left pending.
 
-        `unscale`'s gradients are divided by the scale in place (their stage becomes
-        UNSCALED); `check`'s are only checked (fused optimizers unscale them in their own
-        kernel); checks `unscale_` left pending join. With `clip` the norm of its parameters'
-        gradients travels in the same collective, and they are clipped after it (and unscaled,
-        unless `unscale_` did). On a rank that never called `scale()` nothing is modified until
-        the group has confirmed that some rank did. Without a book and a scale (a disabled
-        scaler's clip) only the norm is exchanged.
+        `unscale`'s gradients are divided by the scale in place (their stage becomes UNSCALED);
+        `check`'s are only checked (fused optimizers unscale them in their own kernel). On a
+        rank that never called `scale()` (`funcname` names the call for the error where no
+        rank did) nothing is modified until the group has confirmed that some rank did.
         """
         kernels = self.kernels
-        confirm = funcname if scale is not None and self.home.unconfirmed else None
-        pending = None
-        if book is not None:
-            pending, book.pending = book.pending, None
-        clip_scaled = clip is not None and clip.scaled and scale is not None
-        inv = None
-        if scale is not None and (unscale or clip_scaled):
-            inv = kernels.inverse(scale)
         with torch.no_grad():
-            walks: dict[str, GradGroups] = {"unscale": {}, "check": {}}
-            norms: NormGroups = {}
-            holds = pending is not None and pending.holds
-            for purpose, records in (("unscale", unscale), ("check", check)):
-                if records:
-                    walks[purpose], _, walked = self._walk.groups(_params(records))
-                    holds = holds or walked
-            groups, checked = walks["unscale"], walks["check"]
-            if clip is not None:
-                norms, plain, walked = self._walk.groups(clip.params, clip.replicas)
-                holds = holds or walked
-                if plain and not self.home.scaled_here:
-                    self._warn_plain_replicas_assumed(clip.replicas)
-            device = scale.device if scale is not None else _first_device(norms)
-            ballot = self.exchange.ballot(
-                device,
-                holds_grads=holds,
-                has_scale=confirm is None,
-                loss_nonfinite=None if book is None else book.loss_nonfinite,
-                with_norm=clip is not None,
-            )
-            flags = {ballot.skip.device: ballot.skip}
+            groups, _, holds = self._walk.groups(_params(unscale))
+            checked, _, holds_checked = self._walk.groups(_params(check))
+            confirm = funcname if self.home.unconfirmed else None
+            ballot, flags = self._ballot(book, scale.device, holds or holds_checked, confirm)
+            inv = kernels.inverse(scale) if unscale else None
             kernels.check_(groups, None if confirm else inv, flags)
             kernels.check_(checked, None, flags)
-            if clip is not None:
-                # The norms' check raises the ballot's own slot (no kernel of its own) where a
-                # non-finite norm means a non-finite element; otherwise the elements are checked.
-                exact = exact_norm_check(norms, clip.norm_type)
-                factor = inv if clip_scaled and inv is not None else kernels.one(device)
-                share = cast(torch.Tensor, ballot.norm)
-                kernels.local_norms_(norms, clip.norm_type, factor, flags if exact else {}, share)
-                if clip_scaled and not exact:
-                    kernels.check_(norms, None, flags)
-            verdict = self.exchange.agree(
-                ballot,
-                [f for f in flags.values() if f is not ballot.skip]
-                + list(pending.flags if pending is not None else ()),
-                device=device,
-                step=0 if book is None else book.step,
-                confirm_scale=confirm,
-                norm_type=None if clip is None else clip.norm_type,
-            )
-            if confirm is not None:  # the group confirmed that some rank scaled: unscale now
-                self.home.confirm()
-                if inv is not None:
-                    kernels.multiply_(groups, inv)
-            self._agreed_once = True
-            if book is not None:
-                records = [*unscale, *check, *(pending.records if pending is not None else ())]
-                for record in records:
-                    record.verdict = verdict
-                for record in unscale:
-                    record.stage = Stage.UNSCALED
-                if self._locate_overflow:
-                    self._locate_if_overflowed(book, records)
-            if clip is not None:
-                total = cast(torch.Tensor, verdict.total_norm)  # exchanged with the flags
-                unscaling = inv if clip_scaled else None
-                kernels.clip_(norms, clip.max_norm, total, unscaling, verdict.flags[Flag.SKIP])
+            verdict = self._vote(book, ballot, flags, confirm, None, [*unscale, *check])
+            if confirm is not None and inv is not None:  # confirmed: unscale now
+                kernels.multiply_(groups, inv)
+            for record in unscale:
+                record.stage = Stage.UNSCALED
+        return verdict
+
+    def clip(self, book: IterationBook, scale: torch.Tensor | None, clip: Clip) -> Verdict:
+        """`clip_grad_norm_`: the norm share of `clip`'s gradients travels with the flags (and
+        the checks `unscale_` left pending) in ONE collective; then they are clipped (and
+        unscaled, unless `unscale_` did) to the agreed global norm. Without a `scale` (a
+        disabled scaler) only the norm is agreed on."""
+        kernels = self.kernels
+        with torch.no_grad():
+            norms, plain, holds = self._walk.groups(clip.params, clip.replicas)
+            # a disabled scaler's: its gradients' (the CPU without any)
+            device = next(iter(norms), (torch.device("cpu"),))[0] if scale is None else scale.device
+            if plain and scale is not None and not self.home.scaled_here:
+                self._warn_plain_replicas_assumed(clip.replicas)
+            confirm = "clip_grad_norm_" if scale is not None and self.home.unconfirmed else None
+            ballot, flags = self._ballot(book, device, holds, confirm, with_norm=True)
+            inv = kernels.inverse(scale) if clip.scaled and scale is not None else None
+            # The norms' check raises the ballot's own slot (no kernel of its own) where a
+            # non-finite norm means a non-finite element; otherwise the elements are checked.
+            exact = exact_norm_check(norms, clip.norm_type)
+            factor = kernels.one(device) if inv is None else inv
+            share = cast(torch.Tensor, ballot.norm)
+            kernels.local_norms_(norms, clip.norm_type, factor, flags if exact else {}, share)
+            if inv is not None and not exact:
+                kernels.check_(norms, None, flags)
+            verdict = self._vote(book, ballot, flags, confirm, clip.norm_type, [])
+            total = cast(torch.Tensor, verdict.total_norm)  # exchanged with the flags
+            kernels.clip_(norms, clip.max_norm, total, inv, verdict.flags[Flag.SKIP])
+        return verdict
+
+    def _ballot(
+        self,
+        book: IterationBook,
+        device: torch.device,
+        holds: bool,
+        confirm: str | None,
+        with_norm: bool = False,
+    ) -> tuple[Ballot, Flags]:
+        """This rank's ballot (it holds gradients where `unscale_`'s pending checks did), and
+        the local checks' flags, its own skip slot first."""
+        ballot = self.exchange.ballot(
+            device,
+            holds_grads=holds or book.pending.holds,
+            has_scale=confirm is None,
+            loss_nonfinite=book.loss_nonfinite,
+            with_norm=with_norm,
+        )
+        return ballot, {ballot.skip.device: ballot.skip}
+
+    def _vote(
+        self,
+        book: IterationBook,
+        ballot: Ballot,
+        flags: Flags,
+        confirm: str | None,
+        norm_type: float | None,
+        records: list[OptimizerRecord],
+    ) -> Verdict:
+        """The one collective on the ballot, with this rank's other flags and those of
+        `unscale_`'s pending checks; the scale is confirmed after it (`confirm`). The verdict
+        goes to `records` and the pending ones, whose overflow is located where asked."""
+        pending, book.pending = book.pending, PendingCheck()
+        others = pending.flags  # and this rank's flags on other devices than the ballot's
+        for flag in flags.values():
+            if flag is not ballot.skip:
+                others.append(flag)
+        verdict = self.exchange.agree(
+            ballot, others, step=book.step, confirm_scale=confirm, norm_type=norm_type
+        )
+        if confirm is not None:  # the group confirmed that some rank scaled
+            self.home.confirm()
+        self._agreed_once = True
+        records += pending.records
+        for record in records:
+            record.verdict = verdict
+        if self._locate_overflow:
+            self._locate_if_overflowed(book, records)
         return verdict
 
     def _warn_plain_replicas_assumed(self, replicas: int) -> None:
@@ -515,10 +530,6 @@ class Stepper:
 def _params(records: Iterable[OptimizerRecord]) -> Iterator[torch.Tensor]:
     """The parameters of the records' optimizers, in order."""
     return chain.from_iterable(map(optimizer_params, map(_OPTIMIZER, records)))
-
-
-def _first_device(groups: dict[Any, list[torch.Tensor]]) -> torch.device:
-    return next(iter(groups))[0] if groups else torch.device("cpu")
 
 
 def _step_on_device(

@@ -396,7 +396,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             items = self._stepper.check(book, optimizer, scale)
             if closure is None or attempt == self._config.max_retries:
                 break
-            verdict = combined(book.verdicts())
+            verdict = cast(Verdict, combined(book.records.values()))
             if not verdict.skipped() or verdict.flags[Flag.FORWARD].item():
                 break  # stepped; or a forward overflow: skipped
             if not self._home.require("step").back_off_for_retry_(self.policy):
@@ -456,7 +456,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         replicas = plain_replicas(replica_group, self._stepper.exchange.world_size)
         if not self._enabled:
             clip = Clip(params, max_norm, norm_type, replicas, scaled=False)
-            return cast(torch.Tensor, self._stepper.agree(None, None, "clip", clip=clip).total_norm)
+            return cast(torch.Tensor, self._stepper.clip(self._book, None, clip).total_norm)
         book = self._book
         if book.clipped is not None:
             raise RuntimeError("clip_grad_norm_() has already been called since the last update().")
@@ -471,7 +471,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         scaled = not (done and ids <= done)  # else unscale_() ran for these: clip them as they are
         scale = self._loss_scale("clip_grad_norm_", params)
         clip = Clip(params, max_norm, norm_type, replicas, scaled)
-        verdict = self._stepper.agree(book, scale, "clip_grad_norm_", clip=clip)
+        verdict = self._stepper.clip(book, scale, clip)
         if scaled:
             book.clipped = Clipped(param_ids=ids, verdict=verdict)
         return cast(torch.Tensor, verdict.total_norm)
@@ -494,15 +494,14 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         state, book, policy = self._home.require("update"), self._book, self._home.host.policy
-        if book.pending is not None:  # unscale_() without step(): agree on it now
+        if book.pending.records:  # unscale_() without step(): agree on it now
             self._stepper.agree(book, state.scale, "update")
-        verdicts = book.verdicts()
-        if new_scale is None and not verdicts:
+        verdict = combined(book.records.values())
+        if new_scale is None and verdict is None:
             raise RuntimeError("No inf checks were recorded prior to update.")
         manual = None if new_scale is None else policy.new_scale_tensor(new_scale)
-        taken = book.step if verdicts else book.step - 1  # the steps taken so far
-        if verdicts:
-            verdict = combined(verdicts)
+        taken = book.step if verdict is not None else book.step - 1  # the steps taken so far
+        if verdict is not None:
             state.apply_(policy, verdict.flags, verdict.read is False, manual)
             self._reporter.push(state)
         elif manual is not None:
@@ -511,7 +510,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             self._reporter.warn_if_at_floor(state, policy, taken)
         self._book = IterationBook(step=taken + 1)
         verify_every = self._config.verify_every
-        if verify_every and verdicts and taken % verify_every == 0:
+        if verify_every and verdict is not None and taken % verify_every == 0:
             self.verify_agreement()
 
     def _loss_scale(
@@ -749,7 +748,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     def _agree_for_view(self, book: IterationBook) -> None:
         """Run the agreement `unscale_()` deferred, for a view that must show agreed flags."""
-        if book.pending is not None:
+        if book.pending.records:
             self._stepper.agree(book, self._home.require("unscale_").scale, "unscale_")
 
     def _found_inf_per_device(self, optimizer: OptimizerTarget) -> dict[str, Any]:
@@ -765,7 +764,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         ]
         if not flags:
             return _compat.ReadOnlyDict()
-        flag = combined(Verdict(f) for f in flags).flags
+        flag = flags[0] if len(flags) == 1 else torch.stack(flags).amax(0)
         return _compat.ReadOnlyDict({flag.device: flag})
 
     def _check_inf_per_device(self, optimizer: OptimizerTarget) -> dict[str, Any]:
@@ -843,8 +842,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         records, _adopted = self._book.begin_step(optimizers)
         warnings.warn(_compat.GRAD_SCALER_WARNING, FutureWarning, stacklevel=3)
         result = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
-        verdicts = [record.verdict for record in records if record.verdict is not None]
-        self._last = combined(verdicts) if verdicts else None
+        self._last = combined(records)
         for record in records:
             record.stage = Stage.STEPPED
         return result

@@ -101,7 +101,7 @@ def _agree_on_cpu(
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     ballot = exchange.ballot(torch.device("cpu"), holds_grads=True, has_scale=True)
-    exchange.agree(ballot, [], device=torch.device("cpu"), step=step)
+    exchange.agree(ballot, [], step=step)
 
 
 # ---------------------------------------------------------------------------- W1: late or gone
@@ -184,7 +184,7 @@ def nccl_on_meta(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
 def _meta_step(exchange: Exchange, step: int) -> torch.Tensor:
     ballot = exchange.ballot(META, holds_grads=True, has_scale=True)
-    return exchange.agree(ballot, [], device=META, step=step).found_inf
+    return exchange.agree(ballot, [], step=step).found_inf
 
 
 def test_agree_on_an_accelerator_never_waits_on_the_host(
