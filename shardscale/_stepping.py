@@ -426,7 +426,7 @@ class Stepper:
         kernels = self.kernels
         with torch.no_grad():
             norms, plain, holds = self._walk.groups(clip.params, clip.replicas)
-            # a disabled scaler's: its gradients' (the CPU without any)
+            # a disabled scaler has no scale: the gradients' device (the CPU without any)
             device = next(iter(norms), (torch.device("cpu"),))[0] if scale is None else scale.device
             if plain and scale is not None and not self.home.scaled_here:
                 self._warn_plain_replicas_assumed(clip.replicas)
