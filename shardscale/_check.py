@@ -145,8 +145,7 @@ class Kernels:
             flags[device] = torch.zeros((), dtype=torch.float32, device=device)
         pieces: dict[int, list[torch.Tensor]] = {}
         for (_device, _dtype, replicas), grads in groups.items():
-            for norms in _norms(grads, norm_type):
-                pieces.setdefault(replicas, []).append(move(norms, device).reshape(-1))
+            pieces.setdefault(replicas, []).append(move(_norms(grads, norm_type), device))
         reduce = torch.amax if math.isinf(norm_type) else torch.sum
         share: torch.Tensor | None = None
         for replicas, parts in pieces.items():
@@ -202,7 +201,7 @@ class Kernels:
         self.multiply_(groups, factor)
 
 
-def _norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+def _norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """Per-tensor p-norms, taken in float64 where their p-th powers need it, never overflowing
     for finite elements (module docstring).
 
@@ -212,12 +211,12 @@ def _norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
     one 1-D float32 tensor.
     """
     if grads[0].device.type != "cpu":
-        return [torch.stack(foreach_norm(grads, norm_type, dtype=torch.float64))]
+        return torch.stack(foreach_norm(grads, norm_type, dtype=torch.float64))
     norms = torch.stack(foreach_norm(grads, norm_type, dtype=torch.float32))
     finite = norms.isfinite()
     if math.isinf(norm_type) or bool(finite.all()):  # a host read: free on the CPU
-        return [norms]
+        return norms
     redo = [i for i, ok in enumerate(finite.tolist()) if not ok]
     again = foreach_norm([grads[i] for i in redo], norm_type, dtype=torch.float64)
     norms[redo] = torch.stack(again).float()  # a norm (not its square) that fits float32
-    return [norms]
+    return norms

@@ -551,8 +551,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
         reading it costs one host synchronisation on an accelerator.
         """
         last = self._last
-        if last is None or last.read is not None:
-            return bool(last and last.read)
+        if last is None:
+            return False
+        if last.read is not None:  # the step read it
+            return last.read
         # Read each time, never remembered: a CUDA-graph replay updates this very tensor.
         return bool(last.found_inf.item())
 
@@ -756,16 +758,14 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
         (Annotated as torch annotates it; the keys are devices.)
         """
-        states = self._per_optimizer_states
-        flags = [
-            f
-            for leaf in leaves(optimizer)
-            for f in states[id(leaf)]["found_inf_per_device"].values()
-        ]
-        if not flags:
+        book = self._book
+        records = [book.records[id(leaf)] for leaf in leaves(optimizer) if id(leaf) in book.records]
+        if any(r is p for r in records for p in book.pending.records):
+            self._agree_for_view(book)  # as reading `_per_optimizer_states` does
+        verdict = combined(records)
+        if verdict is None:
             return _compat.ReadOnlyDict()
-        flag = flags[0] if len(flags) == 1 else torch.stack(flags).amax(0)
-        return _compat.ReadOnlyDict({flag.device: flag})
+        return _compat.ReadOnlyDict({verdict.found_inf.device: verdict.found_inf})
 
     def _check_inf_per_device(self, optimizer: OptimizerTarget) -> dict[str, Any]:
         """Check `optimizer`'s gradients (not unscaling them) and agree: one collective.
