@@ -70,6 +70,11 @@ def _rank_main(
             timeout=timedelta(seconds=group_timeout_s),
             device_id=device_id,
         )
+        # Every rank's group is up before any runs `fn`: a rank that raises at once would
+        # otherwise tear its group down while a peer's gloo is still connecting to it, and the
+        # peer would fail in init ("Connection closed by peer"), not with the test's error.
+        store.set(f"up/{rank}", "1")
+        store.wait([f"up/{peer}" for peer in range(world_size)], timedelta(seconds=group_timeout_s))
         results.put((rank, True, fn(rank, world_size, *args)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
