@@ -9,17 +9,21 @@
 #   build skipped. The torch there is 2.11.0, so it must stay.
 # * vllm==0.33.0 pins torch==2.14.0: resolved in a bare venv.
 # Each must resolve with shardscale from this checkout, at the torch its stack pins.
+# fast-deps: pip reads each wheel's metadata by HTTP range requests. The registry serves no
+# separate metadata files, so pip would otherwise download every candidate it weighs in full:
+# torch 2.15.0 and 2.14.0 are ~0.5 GB each (a download cut short there failed CI once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="$1"
 work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
 export PIP_CONSTRAINT=/dev/null  # a machine-wide cap on torch must not decide (launch/test.sh)
 
 # resolve NAME PYTHON EXPECTED_TORCH PIP_ARGS...: what pip would install, checked
 resolve() {
     local name="$1" py="$2" torch="$3"
     shift 3
-    "$py" -m pip install --dry-run --quiet --report "$work/$name.json" . "$@" \
+    "$py" -m pip install --dry-run --use-feature=fast-deps --quiet --report "$work/$name.json" . "$@" \
         >"$work/$name.log" 2>&1 || { cat "$work/$name.log"; echo "$name: does not resolve"; exit 1; }
     "$py" - "$work/$name.json" "$torch" "$name" <<'PY'
 import json, sys
@@ -39,4 +43,3 @@ FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE resolve verl-fsdp "$python" 2.11.0 \
 python3 -m venv "$work/bare"
 "$work/bare/bin/python" -m pip install --quiet --upgrade pip
 resolve vllm "$work/bare/bin/python" 2.14.0 "vllm==0.33.0"
-rm -rf "$work"
