@@ -238,6 +238,8 @@ def test_harness_nccl_ranks_create_communicator_eagerly(
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     results: queue.Queue[tuple[int, bool, Any]] = queue.Queue()
     for backend, device_id in [("nccl", torch.device("cuda", 1)), ("gloo", None)]:
+        peer = dist.FileStore(str(tmp_path / backend), 2)  # rank 0, up: past the harness's barrier
+        peer.set("up/0", "1")
         harness._rank_main(
             lambda rank, world_size: rank, 1, 2, str(tmp_path / backend), results, (), 5.0, backend
         )
