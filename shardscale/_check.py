@@ -107,6 +107,20 @@ class Kernels:
             check_and_unscale_(grads, flags[device], factors[device])
         return flags
 
+    def amax(
+        self,
+        groups: tuple[GradGroups | NormGroups, ...],
+        device: torch.device,
+        scale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The largest |gradient| in `groups` (times `scale`, for gradients unscaled already), a
+        float32 scalar on `device`: one read pass (`scale_policy="fit"`), a kernel per group
+        and two more; 0 without gradient elements, non-finite where an element is."""
+        every = (grads for group in groups for grads in group.values())
+        peaks = [torch.stack(foreach_norm(g, math.inf, dtype=torch.float32)).amax() for g in every]
+        each = torch.stack([torch.zeros((), device=device), *(move(p, device) for p in peaks)])
+        return each.amax() if scale is None else each.amax() * move(scale, device)
+
     def multiply_(self, groups: GradGroups | NormGroups, factor: torch.Tensor) -> None:
         """Multiply every gradient in `groups` by the float32 scalar `factor`, in place.
 
@@ -161,10 +175,9 @@ class Kernels:
                 part = norms.pow(norm_type).sum()
             if replicas != 1 and not math.isinf(norm_type):  # a max: replicas need no weight
                 part = part / replicas
-            if share is None:
-                share = part
-            else:
-                share = torch.maximum(share, part) if math.isinf(norm_type) else share + part
+            if share is not None:
+                part = torch.maximum(share, part) if math.isinf(norm_type) else share + part
+            share = part
         if share is None:
             out.zero_()
         elif share is not out:
@@ -189,10 +202,8 @@ class Kernels:
         device = total_norm.device
         known = self._max_norm.get(device)
         if known is None or known[0] != max_norm:
-            known = self._max_norm[device] = (
-                max_norm,
-                torch.full((), max_norm, dtype=torch.float32, device=device),
-            )
+            full = torch.full((), max_norm, dtype=torch.float32, device=device)
+            known = self._max_norm[device] = (max_norm, full)
         coef = torch.div(known[1], total_norm + _CLIP_EPS)
         # fmin/fmax ignore a NaN (a NaN norm: an overflow), so an overflow gives exactly 1.
         factor = torch.fmax(torch.fmin(coef, self.one(device)), found_inf)

@@ -21,6 +21,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from shardscale._check import Flags, Kernels
+from shardscale._exchange import Verdict
 from shardscale._grads import GradWalk
 from shardscale._stepping import IterationBook, OptimizerRecord, optimizer_params
 from shardscale._torch import no_torch_function_subclass
@@ -38,19 +39,15 @@ _READ_ONLY = (
 )
 
 
+def _refuse(*args: object, **kwargs: object) -> NoReturn:
+    raise TypeError(_READ_ONLY)
+
+
 class ReadOnlyDict(dict[Any, Any]):
     """A `dict` (it compares equal to one, as torch's states do) that refuses every write."""
 
-    def _refuse(self, *args: object, **kwargs: object) -> NoReturn:
-        raise TypeError(_READ_ONLY)
-
     __setitem__ = __delitem__ = __ior__ = _refuse
     clear = pop = popitem = setdefault = update = _refuse
-
-
-def _fresh_state() -> ReadOnlyDict:
-    """torch's `_refresh_per_optimizer_state()`: what an optimizer not yet seen reads."""
-    return ReadOnlyDict(stage=OptState.READY, found_inf_per_device=ReadOnlyDict())
 
 
 class OptimizerStates(Mapping[Any, ReadOnlyDict]):
@@ -73,17 +70,15 @@ class OptimizerStates(Mapping[Any, ReadOnlyDict]):
 
     def __getitem__(self, key: object) -> ReadOnlyDict:
         record = self._book.records.get(key) if isinstance(key, int) else None
-        if record is None:
-            return _fresh_state()
+        if record is None:  # torch's `_refresh_per_optimizer_state()`, not inserted
+            return ReadOnlyDict(stage=OptState.READY, found_inf_per_device=ReadOnlyDict())
         if any(r is record for r in self._book.pending.records):
             self._settle(self._book)
         return state_of(record)
 
     def get(self, key: object, default: Any = None) -> Any:
         """As `dict.get`: `default` for an optimizer not seen (no default state made)."""
-        if key not in self:
-            return default
-        return self[key]
+        return self[key] if key in self._book.records else default
 
     def __contains__(self, key: object) -> bool:
         return key in self._book.records
@@ -94,11 +89,7 @@ class OptimizerStates(Mapping[Any, ReadOnlyDict]):
     def __len__(self) -> int:
         return len(self._book.records)
 
-    def __setitem__(self, key: object, value: object) -> NoReturn:
-        raise TypeError(_READ_ONLY)
-
-    def __delitem__(self, key: object) -> NoReturn:
-        raise TypeError(_READ_ONLY)
+    __setitem__ = __delitem__ = _refuse
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({dict(self.items())!r})"
@@ -106,18 +97,27 @@ class OptimizerStates(Mapping[Any, ReadOnlyDict]):
 
 def state_of(record: OptimizerRecord) -> ReadOnlyDict:
     """torch's per-optimizer state for `record`: stage, and `{device: agreed flag}`."""
-    found_inf = None if record.verdict is None else record.verdict.found_inf
-    flags = ReadOnlyDict() if found_inf is None else ReadOnlyDict({found_inf.device: found_inf})
+    flags = found_inf_per_device(record.verdict)
     return ReadOnlyDict(stage=OptState[record.stage.name], found_inf_per_device=flags)
 
 
+def found_inf_per_device(verdict: Verdict | None) -> ReadOnlyDict:
+    """`{device: agreed flag}` of `verdict`, as torch's states hold it (empty for None)."""
+    flags = {} if verdict is None else {verdict.found_inf.device: verdict.found_inf}
+    return ReadOnlyDict(flags)
+
+
 def unscale_grads(
+    scaler: object,
     optimizer: torch.optim.Optimizer,
     inv_scale: torch.Tensor,
     found_inf: torch.Tensor,
-    allow_fp16: bool,
+    allow_fp16: bool = True,
 ) -> Flags:
     """torch's `GradScaler._unscale_grads_` on our gradient walk: a local unscale and check.
+
+    It is `ShardedGradScaler._unscale_grads_` itself (`scaler`: the scaler it is called on,
+    which it does not need); `allow_fp16` defaults to True, as in torch's ShardedGradScaler.
 
     Multiplies `optimizer`'s local gradients (DTensor shards, FSDP1 flat shards, sparse
     values, coalesced as torch does) by `inv_scale` and raises `found_inf` where any element

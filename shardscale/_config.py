@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from shardscale._exchange import check_group, timeout_option
-from shardscale._policy import ScalePolicy, check_bool, check_int
+from shardscale._policy import ScalePolicy, check_bool, check_choice, check_int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,10 +45,20 @@ class ScalerConfig:
     max_consecutive_skips: int | None = None
     locate_overflow: bool = False
     max_retries: int = 3
+    scale_policy: str = "interval"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalised values are set once, here
-        set_(self, "device", _device_type(self.device))
+        device = self.device  # normalised to its type
+        if device is not None and not isinstance(device, (str, torch.device)):
+            raise TypeError(
+                "device must be a str, a torch.device or None, got "
+                f"{type(device).__name__}: {device!r}"
+            )
+        try:
+            set_(self, "device", None if device is None else torch.device(device).type)
+        except RuntimeError as error:
+            raise ValueError(f"device must name a torch device type, got {device!r}") from error
         check_bool("enabled", self.enabled)
         check_bool("locate_overflow", self.locate_overflow)
         check_group(self.process_group)  # torch's DummyProcessGroup-like groups at size 1 too
@@ -64,6 +74,7 @@ class ScalerConfig:
             )
         if limit is not None and limit < 1:
             raise ValueError(f"max_consecutive_skips must be >= 1 (None: no limit), got {limit}")
+        check_choice("scale_policy", self.scale_policy)
         self.policy().initial_state(self.first_scale())  # the policy's settings, init_scale
 
     def policy(self) -> ScalePolicy:
@@ -76,6 +87,7 @@ class ScalerConfig:
             min_scale=self.min_scale,
             max_scale=math.inf if self.max_scale is None else self.max_scale,
             dynamic=self.dynamic,
+            fit=self.scale_policy == "fit",
         )
 
     def first_scale(self) -> float:
@@ -83,16 +95,3 @@ class ScalerConfig:
         if self.init_scale is not None:
             return self.init_scale
         return 2.0**16 if self.dynamic else 1.0
-
-
-def _device_type(device: object) -> str | None:
-    if device is None:
-        return None
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(
-            f"device must be a str, a torch.device or None, got {type(device).__name__}: {device!r}"
-        )
-    try:
-        return torch.device(device).type
-    except RuntimeError as error:
-        raise ValueError(f"device must name a torch device type, got {device!r}") from error

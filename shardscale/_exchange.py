@@ -18,7 +18,10 @@ and optimizers hold the gradients:
   every gradient finite (one never backpropagated, or `loss + inf`) is no overflow;
 * has a scale: 0 for a rank that never called `scale()` (a pipeline stage before the last),
   until the group has confirmed that some rank does;
-* norm share: this rank's part of a global gradient norm (`clip_grad_norm_` only).
+* norm share: this rank's part of a global gradient norm (`clip_grad_norm_` only);
+* bins (`scale_policy="fit"` only): 128 slots, one per power of two from 2^-63 to 2^64; this
+  rank raises the one just above its largest |scaled gradient|. Whether the reduction is MAX or
+  SUM, the highest raised slot is then the group's: its value travels exactly, replicas and all.
 
 The reduction is MAX, or SUM when a finite p-norm travels (its shares add up; the flags then count
 and are clamped to 1). Either way the agreed flags are exactly 0.0 or 1.0: torch's fused
@@ -75,6 +78,8 @@ _BROKEN = re.compile(r"connection (reset|closed|refused)|broken pipe", re.IGNORE
 # `Verdict`, its skip and forward-overflow slots: `verdict.flags[Flag.SKIP]`.
 Slot = IntEnum("Slot", "HOLDS SKIP FORWARD SCALED NORM", start=0)
 Flag = IntEnum("Flag", "SKIP FORWARD", start=0)
+BINS, BIN_LOW = 128, -63
+"""The ballot's bins for `scale_policy="fit"`: 2^-63 ... 2^64 (see the module)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +100,8 @@ class Ballot:
     one."""
     loss_checked: bool = False
     """Whether a loss's finiteness went into the forward-overflow slot."""
+    bins: torch.Tensor | None = None
+    """The bins (a view; module docstring), where `scale_policy="fit"` wants them."""
 
 
 @dataclass(slots=True, eq=False)
@@ -108,6 +115,9 @@ class Verdict:
     rank when any rank's gradients overflowed."""
     read: bool | None = None
     """What [`skipped()`][skipped] read on the host; None: not read (a fused step's verdict)."""
+    peak: torch.Tensor | None = None
+    """The power of two just above the group's largest |scaled gradient| (float32 scalar; 0
+    where none was finite and non-zero), where the bins travelled."""
 
     @property
     def found_inf(self) -> torch.Tensor:
@@ -208,7 +218,7 @@ class Exchange:
         self._comm_devices: dict[torch.device, torch.device] = {}
         self._accelerator: torch.device | None = None  # the scale's, once a ballot was made there
         self._host_waits: dict[torch.device, bool] = {}
-        self._templates: dict[tuple[torch.device, bool, bool, bool], torch.Tensor] = {}
+        self._templates: dict[tuple[torch.device, bool, bool, bool, bool], torch.Tensor] = {}
 
     @property
     def world_size(self) -> int:
@@ -249,15 +259,11 @@ class Exchange:
             if preferred.type != "cpu" and self._accelerator is None:
                 self._accelerator = preferred
         else:
-            bound = _bound_device(self._group)
-            seen = self._accelerator
-            if bound is not None and bound.type in device_types:
-                comm = bound
-            elif seen is not None and seen.type in device_types:
-                comm = seen
-            elif device_types[0] == "cpu":
+            known = (_bound_device(self._group), self._accelerator)
+            comm = next((d for d in known if d is not None and d.type in device_types), None)
+            if comm is None and device_types[0] == "cpu":
                 return torch.device("cpu")
-            else:  # this thread's current device: known on this thread only, not cached
+            if comm is None:  # this thread's current device: known on this thread only, not cached
                 module = torch.get_device_module(device_types[0])
                 return torch.device(device_types[0], module.current_device())
         self._comm_devices[preferred] = comm
@@ -271,6 +277,7 @@ class Exchange:
         has_scale: bool,
         loss_nonfinite: torch.Tensor | None = None,
         with_norm: bool = False,
+        bins: bool = False,
     ) -> Ballot:
         """A fresh ballot on the communication device for `device`, in one kernel.
 
@@ -280,10 +287,11 @@ class Exchange:
         the skip slot itself ([`Ballot.skip`][Ballot.skip]). The two templates are made once
         per device by this exchange, and die with it.
         """
-        key = (device, holds_grads, has_scale, with_norm)
+        key = (device, holds_grads, has_scale, with_norm, bins)
         templates = self._templates.get(key)
         if templates is None:
-            ok = [float(holds_grads), 0.0, 0.0, float(has_scale)] + ([0.0] if with_norm else [])
+            ok = [float(holds_grads), 0.0, 0.0, float(has_scale)] + [0.0] * with_norm
+            ok += [0.0] * (BINS * bins)
             bad = [*ok[:2], 1.0, *ok[3:]]
             templates = self._templates[key] = torch.tensor(
                 [ok, bad], dtype=torch.float32, device=self.comm_device(device)
@@ -294,7 +302,8 @@ class Exchange:
             votes = torch.where(move(loss_nonfinite, templates.device), templates[1], templates[0])
         norm = votes[Slot.NORM] if with_norm else None
         checked = loss_nonfinite is not None
-        return Ballot(votes, device, holds_grads, votes[Slot.SKIP], norm, checked)
+        raised = votes[-BINS:] if bins else None
+        return Ballot(votes, device, holds_grads, votes[Slot.SKIP], norm, checked, raised)
 
     def agree(
         self,
@@ -354,12 +363,17 @@ class Exchange:
         flags = votes[Slot.SKIP : Slot.FORWARD + 1]  # in Flag's order
         if summed and self.world_size > 1:
             flags = flags.clamp(max=1.0)  # counts of ranks: exactly 0/1 after this
-        if norm_type is None:
-            return Verdict(flags=move(flags, ballot.device))
-        total = votes[Slot.NORM]
-        if summed and norm_type != 1.0:
-            total = total.pow(1.0 / norm_type)
-        return Verdict(flags=move(flags, ballot.device), total_norm=move(total, ballot.device))
+        verdict = Verdict(flags=move(flags, ballot.device))
+        if ballot.bins is not None:
+            exponents = torch.arange(BIN_LOW, BIN_LOW + BINS, device=votes.device)
+            powers = torch.exp2(exponents.float())  # each bin's power of two
+            verdict.peak = move(((ballot.bins > 0) * powers).amax(), ballot.device)
+        if norm_type is not None:
+            total = votes[Slot.NORM]
+            if summed and norm_type != 1.0:
+                total = total.pow(1.0 / norm_type)
+            verdict.total_norm = move(total, ballot.device)
+        return verdict
 
     def compare(self, values: torch.Tensor, names: Sequence[str], step: int) -> None:
         """Check that every rank holds the same `values` (float64, one per name), in one
@@ -369,11 +383,8 @@ class Exchange:
             ShardScaleDistributedError: they differ (the message gives every rank's value of
                 each field that differs), or a rank did not arrive or left.
         """
-        rows = self._all_gather(
-            values.to(device=self.comm_device(values.device), dtype=torch.float64),
-            step,
-            "their scaler states (verify_agreement's all_gather)",
-        )
+        values = values.to(device=self.comm_device(values.device), dtype=torch.float64)
+        rows = self._all_gather(values, step, "their scaler states (verify_agreement's all_gather)")
         differing = [i for i in range(len(names)) if not torch.all(rows[:, i] == rows[0, i])]
         if differing:
             details = "; ".join(
@@ -404,9 +415,7 @@ class Exchange:
 
     def _all_gather(self, mine: torch.Tensor, step: int | None, what: str) -> torch.Tensor:
         """Every rank's `mine` (1-D, one size everywhere), as the rows of one host tensor."""
-        gathered = torch.empty(
-            (self.world_size, mine.numel()), dtype=mine.dtype, device=mine.device
-        )
+        gathered = mine.new_empty((self.world_size, mine.numel()))
         rows = list(gathered.unbind())
         self._collective(dist.all_gather, rows, step, f"{what} (all_gather)", mine.reshape(-1))
         return gathered.cpu()  # the one host transfer
@@ -507,11 +516,9 @@ class Exchange:
             raise self._late(step, what)
 
     def _late(self, step: int | None, what: str) -> ShardScaleDistributedError:
-        waited = (
-            f"waited {self.timeout.total_seconds():g} s"
-            if self.timeout is not None
-            else "waited out the process group's own timeout"
-        )
+        waited = "waited out the process group's own timeout"
+        if self.timeout is not None:
+            waited = f"waited {self.timeout.total_seconds():g} s"
         return ShardScaleDistributedError(
             f"{_at(step)}{waited} for all "
             f"{self.world_size} ranks of the process group to exchange {what}, and at least "

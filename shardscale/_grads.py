@@ -11,7 +11,7 @@ Whatever the parallelism, the gradient an optimizer sees is one of:
 * a sparse tensor: we use its coalesced values.
 
 Three questions are answered here and nowhere else: which elements this rank holds
-(`local_grad`, `local_grads`), how many ranks hold the same elements (`replica_count`, for a
+(`local_grad`, `local_grads`), how many ranks hold the same elements (`GradWalk.groups`, for a
 global norm that counts every element once), and which original parameter an element belongs to
 (`original_slices`, for naming overflows).
 
@@ -129,34 +129,11 @@ def _dtensor_replicas(grad: DTensor) -> int:
                 f"{tuple(grad.placements)}: a Partial gradient is a sum still to be reduced "
                 "(redistribute it first)"
             )
-        if placement.is_replicate():  # not `not is_shard()`: FSDP2 x TP's _StridedShard is no
-            replicas *= grad.device_mesh.size(
-                dim
-            )  # Shard (is_shard() False), yet shards all the same
+        # is_replicate(), not `not is_shard()`: FSDP2 x TP's _StridedShard is no Shard
+        # (is_shard() False), yet shards all the same
+        if placement.is_replicate():
+            replicas *= grad.device_mesh.size(dim)
     return replicas
-
-
-def replica_count(param: torch.Tensor, plain_replicas: int) -> int:
-    """How many ranks hold the same local gradient elements as this rank does for `param`.
-
-    * DTensor: read from its own `device_mesh` and `placements`: the product of the mesh
-      sizes of its `Replicate` dimensions (HSDP's replicate dimension, a TP `Replicate`).
-      Ranks outside its mesh hold other parameters (another pipeline stage, other experts)
-      or other shards, so disjoint stages and expert shards add up.
-    * Plain tensor: `plain_replicas`, the ranks the caller says replicate it (DDP: the whole
-      group; a pipeline stage: its data-parallel group; pure pipeline: 1).
-    * FSDP1 flat parameter: `plain_replicas` ranks hold it, in as many shards as it has.
-    * A parameter FSDP1 flattened (`use_orig_params=True`): taken as fully sharded, 1.
-    """
-    grad = param.grad
-    if isinstance(grad, DTensor):
-        return _dtensor_replicas(grad)
-    if is_flat_param(param):
-        unsharded, sharded = flat_param_sizes(param)
-        return max(plain_replicas // max(unsharded // max(sharded, 1), 1), 1)
-    if is_fsdp_flattened(param):
-        return 1
-    return plain_replicas
 
 
 def original_slices(name: str, param: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -254,13 +231,27 @@ class GradWalk:
         return groups, any_plain, holds
 
     def _replica_count(self, param: torch.Tensor, plain: int) -> tuple[int, bool]:
-        """`replica_count(param, plain)`, and whether `param`'s gradient is a plain tensor (its
-        replicas named by the caller, not read from a DTensor or an FSDP1 flat parameter)."""
+        """How many ranks hold the same local gradient elements as this rank does for `param`,
+        and whether its gradient is a plain tensor (its replicas named by the caller, not read
+        from a DTensor or an FSDP1 flat parameter).
+
+        * DTensor: read from its own `device_mesh` and `placements`: the product of the mesh
+          sizes of its `Replicate` dimensions (HSDP's replicate dimension, a TP `Replicate`).
+          Ranks outside its mesh hold other parameters (another pipeline stage, other experts)
+          or other shards, so disjoint stages and expert shards add up.
+        * Plain tensor: `plain`, the ranks the caller says replicate it (DDP: the whole
+          group; a pipeline stage: its data-parallel group; pure pipeline: 1).
+        * FSDP1 flat parameter: `plain` ranks hold it, in as many shards as it has.
+        * A parameter FSDP1 flattened (`use_orig_params=True`): taken as fully sharded, 1.
+        """
         grad = param.grad
         if type(grad) is not DTensor and not isinstance(grad, DTensor):
-            if is_fsdp_flattened(param):  # an FSDP1 flat parameter, or a view into one
-                return replica_count(param, plain), False
-            return plain, True
+            if not is_fsdp_flattened(param):
+                return plain, True
+            if is_flat_param(param):
+                unsharded, sharded = flat_param_sizes(param)
+                return max(plain // max(unsharded // max(sharded, 1), 1), 1), False
+            return 1, False  # a view into a flat parameter (`use_orig_params`)
         # By the gradient's sharding spec, per parameter: FSDP2 hands each step's gradient with
         # the parameter's one spec object (3x cheaper than reading the mesh and placements).
         known = self._replicas.get(id(param))

@@ -82,16 +82,11 @@ def optimizer_named_params(optimizer: torch.optim.Optimizer) -> Iterator[tuple[s
 
     Built from a DDP model, every name starts with DDP's `module.`: it is dropped then.
     """
-    named = [
-        (
-            names[i]
-            if (names := group.get("param_names")) is not None
-            else f"param_groups[{g}][{i}]",
-            param,
-        )
-        for g, group in enumerate(optimizer.param_groups)
-        for i, param in enumerate(group["params"])
-    ]
+    named: list[tuple[str, torch.Tensor]] = []
+    for g, group in enumerate(optimizer.param_groups):
+        params = group["params"]
+        names = group.get("param_names") or [f"param_groups[{g}][{i}]" for i in range(len(params))]
+        named += zip(names, params, strict=True)
     if named and all(name.startswith(_DDP_PREFIX) for name, _ in named):
         named = [(name[len(_DDP_PREFIX) :], param) for name, param in named]
     return iter(named)
@@ -116,15 +111,13 @@ def locate(
         for piece, values in original_slices(name, param)
     ]
     counted = [(name, values) for name, values in pieces if values.numel() > 0]
-    mine: list[NonFiniteGrad] = []
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    if counted:
-        counts = _nonfinite_counts([values for _, values in counted])
-        mine = [
-            NonFiniteGrad(rank=rank, name=name, num_inf=int(infs), num_nan=int(nans))
-            for (name, _), (infs, nans) in zip(counted, counts, strict=True)
-            if infs or nans
-        ]
+    counts = _nonfinite_counts([values for _, values in counted])  # [] for none
+    mine = [
+        NonFiniteGrad(rank=rank, name=name, num_inf=infs, num_nan=nans)
+        for (name, _), (infs, nans) in zip(counted, counts, strict=True)
+        if infs or nans
+    ]
     gathered = exchange.gather_objects(mine, step, "their non-finite gradient records")
     return [record for records in gathered for record in cast(list[NonFiniteGrad], records)]
 
@@ -137,13 +130,10 @@ def _nonfinite_counts(pieces: list[torch.Tensor]) -> list[tuple[int, int]]:
     counts: list[tuple[int, int]] = [(0, 0)] * len(pieces)
     with torch.no_grad():
         for indices in by_device.values():
-            stacked = torch.stack(
-                [
-                    torch.stack((torch.isinf(pieces[i]).sum(), torch.isnan(pieces[i]).sum()))
-                    for i in indices
-                ]
-            )
-            for i, (infs, nans) in zip(indices, stacked.cpu().tolist(), strict=True):
+            rows = [
+                torch.stack((pieces[i].isinf().sum(), pieces[i].isnan().sum())) for i in indices
+            ]
+            for i, (infs, nans) in zip(indices, torch.stack(rows).cpu().tolist(), strict=True):
                 counts[i] = (int(infs), int(nans))
     return counts
 

@@ -28,6 +28,24 @@ else:
             scale = min(scale * growth_factor, max_scale)
 ```
 
+With `fit` (`scale_policy="fit"`), a clean step's scale is then replaced by the one that fits the
+gradients (overflows, forward overflows and the hysteresis go as above):
+
+```python
+seen = largest |scaled gradient| of the step (every rank's, agreed) / scale   # an upper bound:
+window = [seen if clean else 0] + window[:-1]    # the power of two above it, 16 steps kept
+if gradient overflow and max(window) > 0:        # the window said this scale was safe
+    margin = min(margin + 1, FIT_MAX_MARGIN)     # learn: the backward needs more room
+if seen > 0:                                     # a clean step with gradients
+    scale = clamp(2**(16 - margin) / max(window), min_scale, max_scale)
+```
+
+The recent gradients, scaled, then stay below `2**(16 - margin)`; `2**16` is just above fp16's
+largest value (65504). The margin starts at 0 (within 2x of the largest scale the weights'
+gradients allow) and is learned: the weights' gradients are the last tensors of the backward,
+and the activations' gradients before them may overflow first. It never shrinks by itself: a
+probe would cost the skipped step the policy is there to avoid.
+
 The scale is float32; each product is taken in float64 and rounded once, as torch's
 `_amp_update_scale_` does, so both agree bit for bit. With `dynamic=False` nothing changes.
 
@@ -79,6 +97,24 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
+FIT_WINDOW = 16
+"""Steps whose gradients the fitted scale keeps in view."""
+FIT_MARGIN = 0
+"""Bits kept below fp16's range at first (`fit`); one more per overflow the window allowed."""
+FIT_MAX_MARGIN = 8
+
+
+SCALE_POLICIES = ("interval", "fit")
+"""`scale_policy`'s values: torch's growth after an interval, or the scale that fits."""
+
+
+def check_choice(name: str, value: object, choices: tuple[str, ...] = SCALE_POLICIES) -> str:
+    """`value` itself; ValueError unless it is one of `choices`."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class ScaleState:
     """The policy's state between two steps, as host values."""
@@ -89,6 +125,11 @@ class ScaleState:
     """Consecutive clean steps since the last growth or overflow."""
     hysteresis_tracker: int
     """Overflows still tolerated before the scale backs off."""
+    margin: int = FIT_MARGIN
+    """`fit`: the bits kept below fp16's largest value, learned from overflows."""
+    window: tuple[float, ...] = (0.0,) * FIT_WINDOW
+    """`fit`: the recent steps' largest unscaled gradient magnitudes (powers of two above
+    them, the newest first; 0: no clean step seen there)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,6 +155,9 @@ class ScalePolicy:
     """The ceiling: growth stops here. `inf` means no ceiling."""
     dynamic: bool = True
     """False: the scale never changes (the bf16 guard); non-finite steps are still skipped."""
+    fit: bool = False
+    """True: a clean step's scale fits the recent gradients (module docstring), not the
+    interval."""
 
     def __post_init__(self) -> None:
         growth_factor = check_real("growth_factor", self.growth_factor)
@@ -123,6 +167,8 @@ class ScalePolicy:
         min_scale = check_real("min_scale", self.min_scale)
         max_scale = check_real("max_scale", self.max_scale)
         check_bool("dynamic", self.dynamic)
+        if check_bool("fit", self.fit) and not self.dynamic:
+            raise ValueError("scale_policy='fit' moves the scale: it needs dynamic=True")
         if not (math.isfinite(growth_factor) and growth_factor > 1.0):
             raise ValueError(f"growth_factor must be a finite number > 1.0, got {growth_factor}")
         if not 0.0 < backoff_factor < 1.0:
@@ -181,6 +227,13 @@ class ScalePolicy:
             raise ValueError(
                 f"_hysteresis_tracker must be in [1, hysteresis] = [1, {self.hysteresis}], "
                 f"got {state.hysteresis_tracker}"
+            )
+        if not 0 <= state.margin <= FIT_MAX_MARGIN:
+            raise ValueError(f"_fit_margin must be in [0, {FIT_MAX_MARGIN}], got {state.margin}")
+        window = state.window
+        if len(window) != FIT_WINDOW or not all(0 <= v < math.inf for v in window):
+            raise ValueError(
+                f"_fit_window must be {FIT_WINDOW} finite numbers >= 0, got {list(window)}"
             )
 
     def initial_state(self, init_scale: float) -> ScaleState:
@@ -263,12 +316,22 @@ class ScalePolicy:
         grew = (growth_tracker == 0) & (found_inf == 0)
         if forward is not None:
             grew &= forward == 0
-        torch.where(
-            tolerated,
-            hysteresis_tracker - 1,
-            torch.where(grew, self.hysteresis, hysteresis_tracker),
-            out=hysteresis_tracker,
-        )
+        replenished = torch.where(grew, self.hysteresis, hysteresis_tracker)
+        torch.where(tolerated, hysteresis_tracker - 1, replenished, out=hysteresis_tracker)
+
+    def fit_(
+        self, scale: torch.Tensor, fit: torch.Tensor, seen: torch.Tensor, backoff: torch.Tensor
+    ) -> None:
+        """`fit`'s part of an update, on the device, after [`update_()`][update_] (module
+        docstring), to `fit` (float32 `[margin, window...]`): `seen` is the step's largest
+        unscaled gradient magnitude (0: skipped, or no gradient), `backoff` 1.0 where its
+        gradients overflowed (not a forward overflow)."""
+        margin, window = fit[0], fit[1:]
+        margin.add_(backoff * (window.amax() > 0)).clamp_(max=FIT_MAX_MARGIN)
+        window.copy_(torch.cat((seen.reshape(1), window[:-1])))
+        widest = window.amax()
+        fitted = torch.exp2(16.0 - margin).div_(widest).clamp_(self.min_scale, self.max_scale)
+        torch.where((seen > 0) & (widest > 0), fitted, scale, out=scale)
 
     def backoff_(self, scale: torch.Tensor, growth_tracker: torch.Tensor) -> None:
         """Back the scale off once, now, whatever the hysteresis allows (a retried step's
@@ -287,13 +350,7 @@ class ScalePolicy:
         """torch's update kernel (back off, or grow after the interval), then the floor and
         ceiling, which torch's kernel does not know (none needed for a growth without a
         ceiling: `clean`)."""
-        update_scale_(
-            scale,
-            growth_tracker,
-            found_inf,
-            self.growth_factor,
-            self.backoff_factor,
-            self.growth_interval,
-        )
+        factors = (self.growth_factor, self.backoff_factor, self.growth_interval)
+        update_scale_(scale, growth_tracker, found_inf, *factors)
         if not (clean and math.isinf(self.max_scale)):
             scale.clamp_(min=self.min_scale, max=self.max_scale)

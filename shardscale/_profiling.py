@@ -15,10 +15,6 @@ from contextlib import contextmanager
 from torch.profiler import ProfilerActivity, profile
 
 
-def _is_collective(name: str) -> bool:
-    return name.startswith("c10d::") and name != "c10d::wait"
-
-
 @contextmanager
 def count_collectives() -> Iterator[Counter[str]]:
     """Count, by operator name, the collectives issued inside the block on this rank.
@@ -34,4 +30,5 @@ def count_collectives() -> Iterator[Counter[str]]:
     counts: Counter[str] = Counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         yield counts
-    counts.update(event.name for event in prof.events() if _is_collective(event.name))
+    names = (event.name for event in prof.events())
+    counts.update(name for name in names if name.startswith("c10d::") and name != "c10d::wait")

@@ -111,11 +111,8 @@ class StepReporter:
 
         Packs the state only when someone listens: with nobody, an update pays no kernel here.
         """
-        if not (
-            self._hooks
-            or self.max_consecutive_skips is not None
-            or logger.isEnabledFor(logging.INFO)
-        ):
+        listening = self._hooks or self.max_consecutive_skips is not None
+        if not (listening or logger.isEnabledFor(logging.INFO)):
             self._pending = None
             return
         packed = state.packed()
@@ -175,11 +172,7 @@ class StepReporter:
         if now - self._last_logged < LOG_INTERVAL_S:
             self._unlogged_skips += 1
             return
-        more = (
-            f" ({self._unlogged_skips} more skipped step(s) since the last message)"
-            if self._unlogged_skips
-            else ""
-        )
+        more = f" ({self._unlogged_skips} more skipped step(s) since the last message)"
         cause = (
             "the loss itself was non-finite on some rank (a forward overflow: loss scaling "
             "cannot fix it; the scale is held)"
@@ -194,7 +187,7 @@ class StepReporter:
             stats.consecutive_skips,
             stats.skipped_steps,
             stats.steps,
-            more,
+            more if self._unlogged_skips else "",
         )
         self._last_logged = now
         self._unlogged_skips = 0

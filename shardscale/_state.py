@@ -28,28 +28,28 @@ import torch
 
 from shardscale._errors import no_scale_message
 from shardscale._exchange import Flag
-from shardscale._policy import ScalePolicy, ScaleState, check_bool, check_int, check_real
+from shardscale._policy import (
+    SCALE_POLICIES,
+    ScalePolicy,
+    ScaleState,
+    check_bool,
+    check_choice,
+    check_int,
+    check_real,
+)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """The version `state_dict()` writes."""
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-_V0_KEYS = (
-    "hysteresis",
-    "_hysteresis_tracker",
-    "min_scale",
-    "max_scale",
-    "dynamic",
-    "steps",
-    "skipped_steps",
-    "consecutive_skips",
-    "last_overflow_step",
-)
+_POLICY_KEYS = ("hysteresis", "_hysteresis_tracker", "min_scale", "max_scale", "dynamic")
+_V0_KEYS = (*_POLICY_KEYS, "steps", "skipped_steps", "consecutive_skips", "last_overflow_step")
 _V1_KEYS = (*_V0_KEYS, "format_version")
 OUR_KEYS_BY_VERSION: dict[int, tuple[str, ...]] = {
     0: _V0_KEYS,
     1: _V1_KEYS,
     2: (*_V1_KEYS, "forward_overflows", "retries"),
+    3: (*_V1_KEYS, "forward_overflows", "retries", "scale_policy", "_fit_margin", "_fit_window"),
 }
 """Our keys in each format version: all of them, or none (a torch state dict)."""
 
@@ -97,6 +97,9 @@ def to_state_dict(state: ScalerState) -> dict[str, Any]:
         "dynamic": policy.dynamic,
         **{f.name: getattr(state.counters, f.name) for f in fields(Counters)},
         "format_version": FORMAT_VERSION,
+        "scale_policy": SCALE_POLICIES[policy.fit],
+        "_fit_margin": state.scale.margin,
+        "_fit_window": list(state.scale.window),
     }
 
 
@@ -156,40 +159,37 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> Sca
             f"state_dict has some of shardscale's keys but not {absent}: it is damaged "
             "(a torch scaler's state dict has none of them, ours has all)"
         )
-    policy_changes: dict[str, Any] = {
-        "growth_factor": _number(state_dict, "growth_factor", float),
-        "backoff_factor": _number(state_dict, "backoff_factor", float),
-        "growth_interval": _number(state_dict, "growth_interval", int),
-    }
+    kinds = {"growth_factor": float, "backoff_factor": float, "growth_interval": int}
+    policy_changes: dict[str, Any] = {k: _number(state_dict, k, kind) for k, kind in kinds.items()}
     scale = _number(state_dict, "scale", float)
     growth_tracker = _number(state_dict, "_growth_tracker", int)
     if not math.isfinite(scale) or scale <= 0.0:
         raise ValueError(f"state_dict['scale'] must be finite and > 0, got {scale}")
     counters = Counters()
+    fit_state = {}  # an older format's: the margin and window start afresh
     hysteresis_tracker: int | None = None  # None: a torch state dict, the allowance starts full
     if ours:
-        policy_changes.update(
-            hysteresis=_number(state_dict, "hysteresis", int),
-            min_scale=_number(state_dict, "min_scale", float),
-            max_scale=_number(state_dict, "max_scale", float),
-            dynamic=check_bool("state_dict['dynamic']", state_dict["dynamic"]),
-        )
+        kinds = {"hysteresis": int, "min_scale": float, "max_scale": float}
+        policy_changes.update({k: _number(state_dict, k, kind) for k, kind in kinds.items()})
+        policy_changes["dynamic"] = check_bool("state_dict['dynamic']", state_dict["dynamic"])
         hysteresis_tracker = _number(state_dict, "_hysteresis_tracker", int)
         # counters an older format lacks start at 0
         names = [f.name for f in fields(Counters) if f.name in keys]
         counters = Counters(**{name: _number(state_dict, name, int) for name in names})
+    if version >= 3:
+        name = check_choice("state_dict['scale_policy']", state_dict["scale_policy"])
+        policy_changes["fit"] = name == "fit"
+        window = state_dict["_fit_window"]
+        if not isinstance(window, (list, tuple)):
+            raise TypeError(f"state_dict['_fit_window'] must be a list, got {window!r}")
+        fit_state = {
+            "margin": _number(state_dict, "_fit_margin", int),
+            "window": tuple(check_real("state_dict['_fit_window']", v) for v in window),
+        }
     policy = replace(current, **policy_changes)  # ScalePolicy validates the settings
-    scale_state = ScaleState(
-        scale=scale,
-        growth_tracker=growth_tracker,
-        hysteresis_tracker=policy.hysteresis if hysteresis_tracker is None else hysteresis_tracker,
-    )
+    tracker = policy.hysteresis if hysteresis_tracker is None else hysteresis_tracker
+    scale_state = ScaleState(scale, growth_tracker, tracker, **fit_state)
     policy.check_state(scale_state)
-    _check_counters(counters)
-    return ScalerState(policy=policy, scale=scale_state, counters=counters)
-
-
-def _check_counters(counters: Counters) -> None:
     if not 0 <= counters.consecutive_skips <= counters.skipped_steps <= counters.steps:
         raise ValueError(
             "state_dict counters must satisfy 0 <= consecutive_skips <= skipped_steps <= steps, "
@@ -211,6 +211,7 @@ def _check_counters(counters: Counters) -> None:
             f"retries >= 0, got forward_overflows={counters.forward_overflows}, "
             f"skipped_steps={counters.skipped_steps}, retries={counters.retries}"
         )
+    return ScalerState(policy=policy, scale=scale_state, counters=counters)
 
 
 def _version(state_dict: Mapping[str, Any]) -> int:
@@ -272,6 +273,8 @@ class DeviceState:
     rather than its step number, because it updates with the same multiply-add as the others."""
     count_terms: torch.Tensor
     """`_COUNT_TERMS` on this device (float32, 3 x 14: the base, then the slopes)."""
+    fit: torch.Tensor
+    """float32 `[margin, window...]` of the `fit` policy (`ScaleState`'s)."""
 
     @classmethod
     def create(cls, state: ScalerState, device: torch.device) -> DeviceState:
@@ -282,6 +285,7 @@ class DeviceState:
             hysteresis_tracker=torch.empty((), dtype=torch.int32, device=device),
             counters=torch.zeros(6, dtype=torch.float64, device=device),
             count_terms=torch.tensor(_COUNT_TERMS, dtype=torch.float32, device=device),
+            fit=torch.empty(1 + len(state.scale.window), dtype=torch.float32, device=device),
         )
         device_state.write(state)
         return device_state
@@ -292,16 +296,10 @@ class DeviceState:
         self.growth_tracker.fill_(state.scale.growth_tracker)
         self.hysteresis_tracker.fill_(state.scale.hysteresis_tracker)
         c = state.counters
-        since = c.steps - c.last_overflow_step
-        values = (
-            c.steps,
-            c.skipped_steps,
-            c.consecutive_skips,
-            since,
-            c.forward_overflows,
-            c.retries,
-        )
+        values = [getattr(c, f.name) for f in fields(Counters)]  # in Count's order, but:
+        values[Count.SINCE_OVERFLOW] = c.steps - c.last_overflow_step
         self.counters.copy_(torch.tensor(values, dtype=torch.float64))
+        self.fit.copy_(torch.tensor([state.scale.margin, *state.scale.window]))
 
     def apply_(
         self,
@@ -309,6 +307,7 @@ class DeviceState:
         flags: torch.Tensor,
         clean: bool,
         manual: torch.Tensor | None = None,
+        peak: torch.Tensor | None = None,
     ) -> None:
         """Count one step and move the scale, from the agreed flags, without a host sync.
 
@@ -320,18 +319,25 @@ class DeviceState:
                 no forward overflow to hold the scale for, nor a backoff to floor: three
                 kernels fewer.
             manual: set the scale to this instead of moving it (`update(new_scale=...)`).
+            peak: the agreed bound of the step's largest scaled gradient magnitude (`fit`).
         """
         terms = self.count_terms
         rows = terms[0] if clean else torch.addmm(terms[:1], flags.view(1, 2), terms[1:])
         keep, add = rows.view(2, len(Count))
         torch.addcmul(add[: Count.BACKOFF], self.counters, keep[: Count.BACKOFF], out=self.counters)
         state = (self.scale, self.growth_tracker, self.hysteresis_tracker)
+        backoff = flags[Flag.SKIP] if clean else add[Count.BACKOFF]  # clean: 0
+        seen = None
+        if policy.fit and manual is None and peak is not None:  # by the scale they carried
+            seen = torch.where(flags[Flag.SKIP] > 0, 0.0, peak / self.scale)
         if manual is not None:
             self.scale.copy_(manual)
         elif clean:
-            policy.update_(*state, flags[Flag.SKIP], clean=True)
+            policy.update_(*state, backoff, clean=True)
         else:  # a gradient overflow backs off; a forward one holds
-            policy.update_(*state, add[Count.BACKOFF], flags[Flag.FORWARD])
+            policy.update_(*state, backoff, flags[Flag.FORWARD])
+        if seen is not None:
+            policy.fit_(self.scale, self.fit, seen, backoff)
 
     def back_off_for_retry_(self, policy: ScalePolicy) -> bool:
         """Back the scale off once for a rerun of the batch (`step(closure=...)`), and count the
@@ -344,26 +350,21 @@ class DeviceState:
         return True
 
     def packed(self) -> torch.Tensor:
-        """`[scale, growth_tracker, hysteresis_tracker, *counters]` as one float64 tensor.
+        """`[scale, growth_tracker, hysteresis_tracker, *counters, *fit]`, one float64 tensor.
 
         One host read then gets everything (`read`, and the step reports).
         """
-        return torch.cat(
-            (
-                self.scale.double().reshape(1),
-                self.growth_tracker.double().reshape(1),
-                self.hysteresis_tracker.double().reshape(1),
-                self.counters,
-            )
-        )
+        head = (self.scale, self.growth_tracker, self.hysteresis_tracker)
+        return torch.cat([*(t.double().reshape(1) for t in head), self.counters, self.fit])
 
 
 def unpack(values: list[float]) -> tuple[ScaleState, Counters]:
     """The host values of `DeviceState.packed()`."""
-    scale, growth, hysteresis, steps, skipped, consecutive, since, forward, retries = values
+    scale, growth, hysteresis, steps, skipped, consecutive, since, forward, retries = values[:9]
     last_overflow = steps - since if skipped else 0
     counters = Counters(*map(int, (steps, skipped, consecutive, last_overflow, forward, retries)))
-    return ScaleState(scale, int(growth), int(hysteresis)), counters
+    margin, *window = values[9:]
+    return ScaleState(scale, int(growth), int(hysteresis), int(margin), tuple(window)), counters
 
 
 class ScaleHome:

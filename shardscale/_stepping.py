@@ -36,8 +36,8 @@ from torch.distributed.tensor import DTensor
 
 from shardscale._check import Flags, Kernels, exact_norm_check
 from shardscale._errors import ShardScaleWarning
-from shardscale._exchange import Ballot, Exchange, Flag, Verdict
-from shardscale._grads import GradWalk, move
+from shardscale._exchange import BIN_LOW, BINS, Ballot, Exchange, Flag, Verdict
+from shardscale._grads import GradGroups, GradWalk, NormGroups, move
 from shardscale._locate import NonFiniteGrad, locate, log_located, optimizer_named_params
 from shardscale._state import ScaleHome
 from shardscale._torch import in_pipeline_shape_inference, no_torch_function_subclass
@@ -51,10 +51,7 @@ _LEAVES = operator.itemgetter(1)
 _DEVICE = operator.attrgetter("device")
 
 
-class Stage(Enum):
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
+Stage = Enum("Stage", "READY UNSCALED STEPPED", start=0)
 
 
 @dataclass(slots=True)
@@ -96,6 +93,8 @@ class PendingCheck:
     records: list[OptimizerRecord] = field(default_factory=list)
     flags: list[torch.Tensor] = field(default_factory=list)
     holds: bool = False
+    peaks: list[torch.Tensor] = field(default_factory=list)
+    """Their largest |scaled gradient|s (`scale_policy="fit"`), taken before the unscale."""
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
@@ -174,7 +173,10 @@ def combined(records: Iterable[OptimizerRecord]) -> Verdict | None:
     if len(distinct) <= 1:
         return distinct[0] if distinct else None
     device = distinct[0].flags.device
-    return Verdict(torch.stack([move(v.flags, device) for v in distinct]).amax(0))
+    verdict = Verdict(torch.stack([move(v.flags, device) for v in distinct]).amax(0))
+    peaks = [move(v.peak, device) for v in distinct if v.peak is not None]
+    verdict.peak = torch.stack(peaks).amax() if peaks else None
+    return verdict
 
 
 @dataclass(slots=True)
@@ -282,10 +284,7 @@ class IterationBook:
 
     def unscaled_param_ids(self) -> set[int]:
         """The parameters whose gradients were unscaled in this iteration already."""
-        unscaled = []
-        for record in self.records.values():
-            if record.stage is not Stage.READY:
-                unscaled.append(record)
+        unscaled = [record for record in self.records.values() if record.stage is not Stage.READY]
         return set(map(id, _params(unscaled)))
 
 
@@ -321,10 +320,12 @@ class Stepper:
         if to_check and not self._agreed_once:
             self.agree(book, scale, "unscale_", unscale=to_check)
         elif to_check:
+            pending = book.pending
             with torch.no_grad():
                 groups, _, holds = self._walk.groups(_params(to_check))
+                if self.home.host.policy.fit:
+                    pending.peaks.append(self.kernels.amax((groups,), scale.device, None))
                 flags = self.kernels.check_(groups, self.kernels.inverse(scale), {})
-            pending = book.pending
             pending.records.extend(to_check)
             pending.flags.extend(flags.values())
             pending.holds = pending.holds or holds
@@ -407,7 +408,8 @@ class Stepper:
             groups, _, holds = self._walk.groups(_params(unscale))
             checked, _, holds_checked = self._walk.groups(_params(check))
             confirm = funcname if self.home.unconfirmed else None
-            ballot, flags = self._ballot(book, scale.device, holds or holds_checked, confirm)
+            holds = holds or holds_checked
+            ballot, flags = self._ballot(book, scale.device, holds, confirm, (groups, checked))
             inv = kernels.inverse(scale) if unscale else None
             kernels.check_(groups, None if confirm else inv, flags)
             kernels.check_(checked, None, flags)
@@ -431,7 +433,8 @@ class Stepper:
             if plain and scale is not None and not self.home.scaled_here:
                 self._warn_plain_replicas_assumed(clip.replicas)
             confirm = "clip_grad_norm_" if scale is not None and self.home.unconfirmed else None
-            ballot, flags = self._ballot(book, device, holds, confirm, with_norm=True)
+            unscaled = None if clip.scaled else scale  # its gradients' peak is times the scale
+            ballot, flags = self._ballot(book, device, holds, confirm, (norms,), unscaled, True)
             inv = kernels.inverse(scale) if clip.scaled and scale is not None else None
             # The norms' check raises the ballot's own slot (no kernel of its own) where a
             # non-finite norm means a non-finite element; otherwise the elements are checked.
@@ -452,17 +455,30 @@ class Stepper:
         device: torch.device,
         holds: bool,
         confirm: str | None,
+        groups: tuple[GradGroups | NormGroups, ...],
+        unscaled: torch.Tensor | None = None,
         with_norm: bool = False,
     ) -> tuple[Ballot, Flags]:
-        """This rank's ballot (it holds gradients where `unscale_`'s pending checks did), and
-        the local checks' flags, its own skip slot first."""
+        """This rank's ballot, and the local checks' flags, its own skip slot first.
+
+        It holds gradients where `unscale_`'s pending checks did. With `scale_policy="fit"`,
+        the bin just above the largest |scaled gradient| of `groups` (still scaled, or times
+        the scale where `unscaled` is it) and of the pending checks is raised.
+        """
         ballot = self.exchange.ballot(
             device,
             holds_grads=holds or book.pending.holds,
             has_scale=confirm is None,
             loss_nonfinite=book.loss_nonfinite,
             with_norm=with_norm,
+            bins=self.home.host.policy.fit,
         )
+        if ballot.bins is not None:
+            peaks = (self.kernels.amax(groups, device, unscaled), *book.pending.peaks)
+            peak = torch.stack([move(p, device) for p in peaks]).amax()
+            exponent = torch.frexp(peak).exponent.clamp_(BIN_LOW, BIN_LOW + BINS - 1)  # peak < 2^e
+            slot = (exponent - BIN_LOW).long().reshape(1)
+            ballot.bins.index_put_((slot,), ((peak > 0) & (peak < torch.inf)).float())
         return ballot, {ballot.skip.device: ballot.skip}
 
     def _vote(
@@ -578,8 +594,7 @@ def _step_on_device(
         return item.step(*args, **kwargs)
     finally:
         for leaf in handed:
-            del leaf.grad_scale  # type: ignore[attr-defined]
-            del leaf.found_inf  # type: ignore[attr-defined]
+            del leaf.grad_scale, leaf.found_inf  # type: ignore[attr-defined]
 
 
 def _to_device(

@@ -353,12 +353,15 @@ class AsyncShardedGradScaler(ShardedGradScaler):
                 "cannot happen (see the chained exception)"
             ) from failed.failure
 
-    def _drained(self, funcname: str) -> None:
-        """Wait (lock held) until every ended iteration has resolved."""
-        self._wait(
-            lambda: all(it.resolved or not it.closed for it in self._iterations),
-            lambda: f"the ended iterations' steps to agree (before {funcname})",
-        )
+    @contextmanager
+    def _drained(self, funcname: str) -> Iterator[None]:
+        """Hold the lock, once every ended iteration has resolved."""
+        with self._lock:
+            self._wait(
+                lambda: all(it.resolved or not it.closed for it in self._iterations),
+                lambda: f"the ended iterations' steps to agree (before {funcname})",
+            )
+            yield
 
     def _check_inf_per_device(self, optimizer: OptimizerTarget) -> dict[str, Any]:
         """Refused: the check belongs to the step of the iteration it serves (its thread).
@@ -375,14 +378,12 @@ class AsyncShardedGradScaler(ShardedGradScaler):
     @property
     def stats(self) -> ScalerStats:
         """As [`ShardedGradScaler.stats`][], after the ended iterations have resolved."""
-        with self._lock:
-            self._drained("stats")
+        with self._drained("stats"):
             return super().stats
 
     def get_scale(self) -> float:
         """The scale after the ended iterations have resolved."""
-        with self._lock:
-            self._drained("get_scale()")
+        with self._drained("get_scale()"):
             return super().get_scale()
 
     def state_dict(self) -> dict[str, Any]:
@@ -390,8 +391,7 @@ class AsyncShardedGradScaler(ShardedGradScaler):
 
         After the ended iterations have resolved.
         """
-        with self._lock:
-            self._drained("state_dict()")
+        with self._drained("state_dict()"):
             return super().state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -415,8 +415,7 @@ class AsyncShardedGradScaler(ShardedGradScaler):
 
         Call it with no step in flight.
         """
-        with self._lock:
-            self._drained("verify_agreement()")
+        with self._drained("verify_agreement()"):
             super().verify_agreement()
 
     def __getstate__(self) -> dict[str, Any]:

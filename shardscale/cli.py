@@ -25,10 +25,9 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from shardscale._state import OUR_KEYS_BY_VERSION, TORCH_KEYS
 
-# every key any format version has: read whichever the checkpoint holds
-_KEYS = tuple(
-    dict.fromkeys((*TORCH_KEYS, *(k for keys in OUR_KEYS_BY_VERSION.values() for k in keys)))
-)
+# every key any format version has (the newest's: each version adds to the last): read whichever
+# the checkpoint holds
+_KEYS = (*TORCH_KEYS, *OUR_KEYS_BY_VERSION[max(OUR_KEYS_BY_VERSION)])
 
 __all__ = ["inspect_checkpoint", "main"]
 
@@ -37,22 +36,6 @@ _STEP_COUNTER = re.compile(r"^(?P<optimizer>.+)\.state\.(?P<param>.+)\.step$")
 
 class CheckpointUnreadable(RuntimeError):
     """The folder is not a checkpoint this command can read."""
-
-
-def _read(path: Path, keys: list[str]) -> dict[str, Any]:
-    """Load only `keys` (flattened DCP names) from the checkpoint at `path`."""
-    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
-    template: dict[str, Any] = {}
-    for key in keys:
-        entry = metadata[key]
-        if isinstance(entry, TensorStorageMetadata):
-            template[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
-        else:
-            template[key] = None  # a pickled object: DCP puts it in place
-    with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
-        warnings.filterwarnings("ignore", message=r"torch.distributed is disabled")
-        dcp_load(template, storage_reader=FileSystemReader(path), no_dist=True)
-    return template
 
 
 def inspect_checkpoint(path: Path) -> dict[str, Any]:
@@ -67,21 +50,31 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
     Raises:
         CheckpointUnreadable: `path` holds no readable DCP checkpoint.
     """
-    path = _newest_checkpoint(path)
+    if not (path / ".metadata").is_file() and path.is_dir():  # a folder of them: the newest
+        complete = sorted(p for p in path.iterdir() if (p / ".metadata").is_file())
+        path = complete[-1] if complete else path
     if not (path / ".metadata").is_file():
         raise CheckpointUnreadable(f"{path} is not a checkpoint: {path / '.metadata'} is missing")
     try:
-        names = list(FileSystemReader(path).read_metadata().state_dict_metadata)
+        metadata = FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as error:
         raise CheckpointUnreadable(f"cannot read {path / '.metadata'}: {error}") from error
+    names = list(metadata)
     prefixes = sorted(
         {name.rsplit(".", 1)[0] for name in names if name.endswith(".scale")}
         & {name.rsplit(".", 1)[0] for name in names if name.endswith("._growth_tracker")}
     )
     scaler_keys = [f"{p}.{k}" for p in prefixes for k in _KEYS if f"{p}.{k}" in names]
-    step_keys = [name for name in names if _STEP_COUNTER.match(name)]
-    try:
-        values = _read(path, scaler_keys + step_keys)
+    matches = [m for m in map(_STEP_COUNTER.match, names) if m is not None]
+    try:  # load only these keys (None: a pickled object, which DCP puts in place)
+        values: dict[str, Any] = dict.fromkeys(scaler_keys + [m.string for m in matches])
+        for key in values:
+            entry = metadata[key]
+            if isinstance(entry, TensorStorageMetadata):
+                values[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+        with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+            warnings.filterwarnings("ignore", message=r"torch.distributed is disabled")
+            dcp_load(values, storage_reader=FileSystemReader(path), no_dist=True)
     except Exception as error:
         raise CheckpointUnreadable(f"cannot load from {path}: {error}") from error
     scalers = {
@@ -89,27 +82,18 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
         for prefix in prefixes
     }
     counters: dict[str, dict[str, float]] = defaultdict(dict)
-    for key in step_keys:
-        match = _STEP_COUNTER.match(key)
-        assert match is not None
-        counters[match["optimizer"]][match["param"]] = float(values[key])
+    for match in matches:
+        counters[match["optimizer"]][match["param"]] = float(values[match.string])
     return {"path": path, "scalers": scalers, "step_counters": dict(counters)}
-
-
-def _newest_checkpoint(path: Path) -> Path:
-    if (path / ".metadata").is_file() or not path.is_dir():
-        return path
-    complete = sorted(p for p in path.iterdir() if (p / ".metadata").is_file())
-    return complete[-1] if complete else path
 
 
 def _scaler_agreement(state: dict[str, Any], optimizer_steps: float) -> str:
     """How the scaler's counters relate to the optimizer steps taken (information only)."""
     if "steps" not in state:
         return "    scaler: a torch scaler's state, without step counters"
-    taken = state["steps"] - state["skipped_steps"]
-    verdict = "consistent" if taken == optimizer_steps else "differs (scaler replaced mid-run?)"
     steps, skipped = state["steps"], state["skipped_steps"]
+    taken = steps - skipped
+    verdict = "consistent" if taken == optimizer_steps else "differs (scaler replaced mid-run?)"
     return f"    scaler: {steps} steps - {skipped} skipped = {taken}: {verdict}"
 
 

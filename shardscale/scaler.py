@@ -150,6 +150,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
             `model.named_parameters()`.
         max_retries: with [`step(closure=...)`][step], how many times a batch whose gradients
             overflowed is run again at a backed-off scale before its step is skipped. Default 3.
+        scale_policy: how a clean step moves the scale. `"interval"`, the default: torch's
+            rule (grow by `growth_factor` after `growth_interval` clean steps). `"fit"`: to the
+            largest scale that keeps the last 16 steps' largest gradient a learned margin below
+            fp16's range, up or down, in one update; the gradients' largest magnitude travels
+            in the same one collective (one more read pass over them); overflows still back off
+            (and widen the margin), and the floor, ceiling, hysteresis and forward-overflow hold
+            apply as before (docs/scale-policies.md).
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -175,6 +182,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         max_consecutive_skips: int | None = None,
         locate_overflow: bool = False,
         max_retries: int = 3,
+        scale_policy: str = "interval",
     ) -> None:
         # every argument, by name: the config validates and normalises them
         config = ScalerConfig(**{name: value for name, value in locals().items() if name != "self"})
@@ -502,7 +510,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         manual = None if new_scale is None else policy.new_scale_tensor(new_scale)
         taken = book.step if verdict is not None else book.step - 1  # the steps taken so far
         if verdict is not None:
-            state.apply_(policy, verdict.flags, verdict.read is False, manual)
+            state.apply_(policy, verdict.flags, verdict.read is False, manual, verdict.peak)
             self._reporter.push(state)
         elif manual is not None:
             state.scale.copy_(manual)
@@ -623,6 +631,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if not self._enabled or self._stepper.exchange.world_size == 1:
             return
         fields = to_state_dict(self._home.read())
+        window = fields.pop("_fit_window")  # as numbers: the window's, and the policy's
+        fields |= {f"_fit_window[{i}]": v for i, v in enumerate(window)}
+        fields["scale_policy"] = fields["scale_policy"] == "fit"
         values = torch.tensor([float(v) for v in fields.values()], dtype=torch.float64)
         device = self._home.device.scale.device if self._home.device is not None else values.device
         self._stepper.exchange.compare(values.to(device), list(fields), self._book.step - 1)
@@ -762,10 +773,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         records = [book.records[id(leaf)] for leaf in leaves(optimizer) if id(leaf) in book.records]
         if any(r is p for r in records for p in book.pending.records):
             self._agree_for_view(book)  # as reading `_per_optimizer_states` does
-        verdict = combined(records)
-        if verdict is None:
-            return _compat.ReadOnlyDict()
-        return _compat.ReadOnlyDict({verdict.found_inf.device: verdict.found_inf})
+        return _compat.found_inf_per_device(combined(records))
 
     def _check_inf_per_device(self, optimizer: OptimizerTarget) -> dict[str, Any]:
         """Check `optimizer`'s gradients (not unscaling them) and agree: one collective.
@@ -783,20 +791,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         self._stepper.agree(self._book, scale, "_check_inf_per_device", check=records)
         return self._found_inf_per_device(optimizer)
 
-    def _unscale_grads_(
-        self,
-        optimizer: torch.optim.Optimizer,
-        inv_scale: torch.Tensor,
-        found_inf: torch.Tensor,
-        allow_fp16: bool = True,
-    ) -> dict[torch.device, torch.Tensor]:
-        """torch's local unscale-and-check of `optimizer`'s gradients, on our gradient walk.
-
-        As torch's: multiplies by `inv_scale`, raises `found_inf` (and copies of it on other
-        devices), involves no other rank and records nothing (`shardscale._compat.unscale_grads`).
-        `allow_fp16` defaults to True, as in torch's ShardedGradScaler.
-        """
-        return _compat.unscale_grads(optimizer, inv_scale, found_inf, allow_fp16)
+    # torch's local unscale-and-check, on our gradient walk (`allow_fp16` defaults to True, as
+    # in torch's ShardedGradScaler): a method of ours, written in `_compat`
+    _unscale_grads_ = _compat.unscale_grads
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The scale and growth tracker tensors; torch's words if `scale()` never ran.
@@ -837,9 +834,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
         The optimizer unscales and skips itself; what it reads back is the agreed state.
         """
-        optimizers = leaves(optimizer)
         self._loss_scale("step", optimizer)
-        records, _adopted = self._book.begin_step(optimizers)
+        records, _adopted = self._book.begin_step(leaves(optimizer))
         warnings.warn(_compat.GRAD_SCALER_WARNING, FutureWarning, stacklevel=3)
         result = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
         self._last = combined(records)

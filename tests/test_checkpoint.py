@@ -91,6 +91,9 @@ def test_dcp_torch_scaler_checkpoint_loads_both_ways(tmp_path: Path) -> None:
         }
 
 
+_FIT_KEYS = ("scale_policy", "_fit_margin", "_fit_window")  # format 3's
+
+
 class _FormatZero:
     """A Stateful that saves ``scaler`` as shardscale 0.1 did: without ``format_version``."""
 
@@ -98,7 +101,7 @@ class _FormatZero:
         self.scaler = scaler
 
     def state_dict(self) -> dict[str, Any]:
-        newer = ("format_version", "forward_overflows", "retries")  # what format 0 lacks
+        newer = ("format_version", "forward_overflows", "retries", *_FIT_KEYS)  # format 0 lacks
         return {k: v for k, v in self.scaler.state_dict().items() if k not in newer}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -126,4 +129,4 @@ def test_dcp_format_zero_checkpoint_loads_with_a_partial_load(tmp_path: Path) ->
     for result in run_ranks(_rank_format_zero_checkpoint, 2, str(tmp_path / "v0")):
         assert "Missing key in checkpoint state_dict: scaler." in result["strict_error"]
         assert result["new"] == result["old"]
-        assert result["new"]["format_version"] == 2
+        assert result["new"]["format_version"] == 3

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardscale import ScalePolicy, ScaleState, ShardedGradScaler
+from shardscale._policy import FIT_MARGIN, FIT_WINDOW
 
 _FACTORS = st.floats(min_value=1.01, max_value=8.0)
 _BACKOFFS = st.floats(min_value=0.05, max_value=0.95)
@@ -118,7 +119,10 @@ def test_property_state_dict_round_trips_ours_and_through_torch(
         "scale": torch.tensor(state["scale"]).item() if materialized else state["scale"],
         "forward_overflows": 0,
         "retries": 0,
-        "format_version": 2,
+        "format_version": 3,
+        "scale_policy": "interval",
+        "_fit_margin": FIT_MARGIN,
+        "_fit_window": [0.0] * FIT_WINDOW,
     }
     assert ours.state_dict() == expected
     theirs = torch.amp.GradScaler("cpu")

@@ -51,7 +51,8 @@ def test_load_state_dict_before_first_scale_is_used_by_it() -> None:
 
 
 _GOOD = ShardedGradScaler(init_scale=8.0, growth_interval=4, hysteresis=2).state_dict()
-_V2_KEYS = ("format_version", "forward_overflows", "retries")  # what format 0 lacks
+_FIT_KEYS = ("scale_policy", "_fit_margin", "_fit_window")  # what format 2 lacks
+_V2_KEYS = ("format_version", "forward_overflows", "retries", *_FIT_KEYS)  # what format 0 lacks
 
 
 @pytest.mark.parametrize(
@@ -109,9 +110,9 @@ _V2_KEYS = ("format_version", "forward_overflows", "retries")  # what format 0 l
         ),
         ([("scale", 1.0)], TypeError, r"state_dict must be a mapping, got list"),
         (
-            {**_GOOD, "format_version": 3},
+            {**_GOOD, "format_version": 4},
             ValueError,
-            r"format_version'\] must be one of \[0, 1, 2\], got 3: a newer shardscale saved it",
+            r"format_version'\] must be one of \[0, 1, 2, 3\], got 4: a newer shardscale saved it",
         ),
         (
             {**_GOOD, "forward_overflows": 1},
@@ -126,8 +127,8 @@ _V2_KEYS = ("format_version", "forward_overflows", "retries")  # what format 0 l
         (
             {k: v for k, v in _GOOD.items() if k != "format_version"},
             ValueError,
-            r"format version 2's key\(s\) \['forward_overflows', 'retries'\] but no "
-            r"'format_version'",
+            r"format version 3's key\(s\) \['_fit_margin', '_fit_window', 'forward_overflows', "
+            r"'retries', 'scale_policy'\] but no 'format_version'",
         ),
         (
             {k: v for k, v in _GOOD.items() if k != "hysteresis"},
@@ -148,19 +149,20 @@ def test_load_bad_state_dict_raises_and_leaves_scaler_unchanged(
     assert scaler.get_growth_interval() == 3
 
 
-@pytest.mark.parametrize("version", [0, 1])
+@pytest.mark.parametrize("version", [0, 1, 2])
 def test_state_dict_is_versioned_and_older_formats_still_load(version: int) -> None:
     """shardscale 0.1 saved no format_version (format 0), format 1 no forward-overflow and
-    retry counters: their checkpoints keep loading, those counters starting at 0."""
+    retry counters, format 2 no fit state: their checkpoints keep loading, those counters
+    starting at 0, the fit margin and window afresh."""
     scaler = ShardedGradScaler(init_scale=16.0, growth_interval=3, hysteresis=2)
     overflow_steps(scaler, [False, True, False])
     saved = scaler.state_dict()
-    assert saved["format_version"] == 2
+    assert saved["format_version"] == 3
     assert (saved["forward_overflows"], saved["retries"]) == (0, 0)
-    new_keys = {"forward_overflows", "retries"} | ({"format_version"} if version == 0 else set())
-    old = {k: v for k, v in saved.items() if k not in new_keys}
-    if version == 1:
-        old["format_version"] = 1
+    new_keys = set(_FIT_KEYS) | ({"forward_overflows", "retries"} if version < 2 else set())
+    old = {k: v for k, v in saved.items() if k not in new_keys | {"format_version"}}
+    if version:
+        old["format_version"] = version
     loaded = ShardedGradScaler(hysteresis=2)
     loaded.load_state_dict(old)
     assert loaded.state_dict() == saved

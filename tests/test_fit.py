@@ -1,0 +1,258 @@
+"""`scale_policy="fit"`: the scale that fits the gradients, found in one update, not in thousands.
+
+Gradients are planted (a parameter `w` and the loss `(w * g).sum()`, whose gradient is exactly
+`g` times the scale), so every expected scale is computed by hand from the rule in
+`shardscale._policy`: after a clean step, `2**(16 - margin) / max(window)`, the window holding
+the power of two just above each of the last 16 steps' largest |gradient|.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from shardscale import ShardedGradScaler, count_collectives
+from shardscale._policy import FIT_MARGIN, FIT_WINDOW
+from tests.harness import run_ranks
+
+
+class Planted(nn.Module):
+    """One parameter whose gradient is whatever the step plants."""
+
+    def __init__(self, size: int = 8) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(size))
+
+    def loss(self, grad: torch.Tensor) -> torch.Tensor:
+        return (self.w * grad).sum()
+
+
+def _step(scaler: ShardedGradScaler, model: Planted, optimizer: Any, grad: torch.Tensor) -> None:
+    """One iteration whose gradient is `grad` (times the scale); an inf in `grad` is planted in
+    the gradient after the backward (a finite loss: a gradient overflow, not a forward one)."""
+    optimizer.zero_grad()
+    scaler.scale(model.loss(grad.nan_to_num(posinf=0.0))).backward()
+    assert model.w.grad is not None
+    model.w.grad[grad.isinf()] = math.inf
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def _setup(**kwargs: Any) -> tuple[ShardedGradScaler, Planted, torch.optim.Optimizer]:
+    model = Planted()
+    return (
+        ShardedGradScaler(scale_policy="fit", **kwargs),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+    )
+
+
+def _fitted(largest: float, margin: int = FIT_MARGIN) -> float:
+    """The rule, by hand: the power of two above `largest`, `16 - margin` bits below."""
+    return 2.0 ** (16 - margin) / 2.0 ** math.frexp(largest)[1]
+
+
+def test_fit_reaches_the_fitting_scale_in_one_update_from_a_cold_start() -> None:
+    scaler, model, optimizer = _setup(init_scale=1.0)
+    grad = torch.full((8,), 3e-6)
+    _step(scaler, model, optimizer, grad)
+    assert scaler.get_scale() == _fitted(3e-6)  # 2**33 from 1: torch's rule needs 33 x 2,000 steps
+    assert not scaler.last_step_skipped
+    _step(scaler, model, optimizer, grad)
+    assert scaler.get_scale() == _fitted(3e-6)  # it stays
+
+
+def test_fit_follows_a_shrink_once_the_window_forgets_and_a_growth_at_once() -> None:
+    scaler, model, optimizer = _setup()
+    big, small = torch.full((8,), 0.3), torch.full((8,), 0.3e-3)
+    _step(scaler, model, optimizer, big)
+    assert scaler.get_scale() == _fitted(0.3)
+    scales = []
+    for _ in range(FIT_WINDOW):  # gradients 1,000x smaller: the window still holds the big one
+        _step(scaler, model, optimizer, small)
+        scales.append(scaler.get_scale())
+    assert scales[: FIT_WINDOW - 1] == [_fitted(0.3)] * (FIT_WINDOW - 1)
+    assert scales[-1] == _fitted(0.3e-3)  # 16 steps on, in one update: 2**10 up
+    _step(scaler, model, optimizer, big)  # larger again: down at once, no overflow needed
+    assert scaler.get_scale() == _fitted(0.3)
+    assert scaler.stats.skipped_steps == 0
+
+
+def test_fit_overflow_halves_and_widens_the_margin_a_forward_overflow_holds() -> None:
+    scaler, model, optimizer = _setup()
+    grad = torch.full((8,), 0.3)
+    _step(scaler, model, optimizer, grad)
+    fitted = scaler.get_scale()
+    _step(scaler, model, optimizer, torch.tensor([math.inf] + [0.3] * 7))
+    assert scaler.last_step_skipped
+    assert scaler.get_scale() == fitted / 2
+    assert scaler.state_dict()["_fit_margin"] == FIT_MARGIN + 1  # learned
+    _step(scaler, model, optimizer, grad)
+    assert scaler.get_scale() == _fitted(0.3, FIT_MARGIN + 1)  # one bit more room kept
+    before = scaler.state_dict()
+    optimizer.zero_grad()
+    scaler.scale(model.loss(grad) * math.inf).backward()  # a forward overflow: the loss is inf
+    scaler.step(optimizer)
+    scaler.update()
+    after = scaler.state_dict()
+    assert scaler.last_step_skipped
+    assert (after["scale"], after["_fit_margin"]) == (before["scale"], before["_fit_margin"])
+
+
+def test_fit_keeps_the_floor_and_ceiling_and_the_hysteresis() -> None:
+    scaler, model, optimizer = _setup(max_scale=2.0**20)
+    _step(scaler, model, optimizer, torch.full((8,), 3e-9))
+    assert scaler.get_scale() == 2.0**20  # the fitted 2**43, capped
+    scaler, model, optimizer = _setup(min_scale=2.0**10)
+    _step(scaler, model, optimizer, torch.full((8,), 3e3))
+    assert scaler.get_scale() == 2.0**10  # the fitted 2**3, floored
+    scaler, model, optimizer = _setup(hysteresis=2)
+    _step(scaler, model, optimizer, torch.full((8,), 0.3))
+    fitted = scaler.get_scale()
+    _step(scaler, model, optimizer, torch.full((8,), math.inf))
+    assert scaler.last_step_skipped
+    assert scaler.get_scale() == fitted
+
+
+def test_fit_reads_the_gradients_before_unscale_and_after_it() -> None:
+    """`unscale_()` divides the gradients in place; the largest |gradient| the policy sees is
+    the scaled one either way (taken before the unscale, or the clip's times the scale)."""
+    for clip in (False, True):
+        scaler, model, optimizer = _setup(init_scale=2.0**8)
+        optimizer.zero_grad()
+        scaler.scale(model.loss(torch.full((8,), 3e-6))).backward()
+        scaler.unscale_(optimizer)
+        if clip:
+            scaler.clip_grad_norm_(model.parameters(), max_norm=1e9)
+        scaler.step(optimizer)
+        scaler.update()
+        assert scaler.get_scale() == _fitted(3e-6), f"clip={clip}"
+
+
+def test_fit_fused_optimizer_matches_the_plain_one() -> None:
+    scales = []
+    for fused in (False, True):
+        model = Planted()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+        scaler = ShardedGradScaler(scale_policy="fit")
+        for grad in (0.3, 0.3, math.inf, 0.3e-3):
+            _step(scaler, model, optimizer, torch.full((8,), grad))
+            scales.append((fused, scaler.get_scale()))
+    assert [s for f, s in scales if f] == [s for f, s in scales if not f]
+
+
+def test_fit_state_dict_round_trips_and_older_formats_load() -> None:
+    scaler, model, optimizer = _setup()
+    for grad in (0.3, math.inf, 0.3e-3):
+        _step(scaler, model, optimizer, torch.full((8,), grad))
+    state = scaler.state_dict()
+    assert state["format_version"] == 3
+    assert state["scale_policy"] == "fit"
+    assert state["_fit_margin"] == FIT_MARGIN + 1
+    assert state["_fit_window"][:3] == [2.0**-11, 0.0, 2.0**-1]  # newest first; 0: skipped
+    other = ShardedGradScaler()  # "interval": the checkpoint's policy is taken, as its settings
+    other.load_state_dict(state)
+    assert other.state_dict() == state
+    fit_keys = ("scale_policy", "_fit_margin", "_fit_window")
+    older = {k: v for k, v in state.items() if k not in fit_keys}
+    older["format_version"] = 2
+    fresh = ShardedGradScaler(scale_policy="fit")
+    fresh.load_state_dict(older)
+    loaded = fresh.state_dict()
+    assert loaded["scale"] == state["scale"]
+    assert loaded["scale_policy"] == "fit"
+    assert loaded["_fit_margin"] == FIT_MARGIN
+    assert loaded["_fit_window"] == [0.0] * FIT_WINDOW
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        (
+            "scale_policy",
+            "amax",
+            r"\['scale_policy'\] must be one of \('interval', 'fit'\), got 'amax'",
+        ),
+        ("_fit_margin", 99, r"_fit_margin must be in \[0, 8\], got 99"),
+        ("_fit_window", [1.0] * 3, r"_fit_window must be 16 finite numbers >= 0"),
+        ("_fit_window", [-1.0] * 16, r"_fit_window must be 16 finite numbers >= 0"),
+        ("_fit_window", 1.0, r"state_dict\['_fit_window'\] must be a list, got 1.0"),
+    ],
+)
+def test_fit_bad_state_is_refused_with_the_rule_and_nothing_changes(
+    key: str, value: object, message: str
+) -> None:
+    scaler, model, optimizer = _setup()
+    _step(scaler, model, optimizer, torch.full((8,), 0.3))
+    before = scaler.state_dict()
+    with pytest.raises((ValueError, TypeError), match=message):
+        scaler.load_state_dict({**before, key: value})
+    assert scaler.state_dict() == before
+
+
+def test_fit_bad_arguments_say_the_rule() -> None:
+    rule = r"scale_policy must be one of \('interval', 'fit'\), got 'amax'"
+    with pytest.raises(ValueError, match=rule):
+        ShardedGradScaler(scale_policy="amax")
+    rule = r"scale_policy='fit' moves the scale: it needs dynamic=True"
+    with pytest.raises(ValueError, match=rule):
+        ShardedGradScaler(scale_policy="fit", dynamic=False)
+
+
+def _ranks_fit(rank: int, world_size: int, clip: bool) -> dict[str, Any]:
+    """Each rank holds its own shard: rank 1's gradients are 2**6 times rank 0's."""
+    scaler, model, optimizer = _setup()
+    counts = []
+    for _ in range(3):
+        optimizer.zero_grad()
+        scaler.scale(model.loss(torch.full((8,), 3e-5 * 64**rank))).backward()
+        with count_collectives() as counted:
+            if clip:
+                scaler.clip_grad_norm_(model.parameters(), max_norm=1e9, replica_group=1)
+            scaler.step(optimizer)
+            scaler.update()
+        counts.append(sum(counted.values()))
+    return {"scale": scaler.get_scale(), "collectives": counts, "state": scaler.state_dict()}
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["step", "clip 2-norm (a summed ballot)"])
+def test_fit_every_rank_fits_the_global_largest_gradient_in_the_one_collective(clip: bool) -> None:
+    rank0, rank1 = run_ranks(_ranks_fit, 2, clip)
+    assert rank0["state"] == rank1["state"]
+    assert rank0["scale"] == _fitted(3e-5 * 64)  # rank 1's, the larger
+    assert rank0["collectives"] == rank1["collectives"] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["step", "clip"])
+def test_fit_fused_step_adds_no_host_read_on_the_device_path(clip: bool) -> None:
+    """On the meta device (every non-CPU branch), counted as the suite counts torch's."""
+    from tests.devicepath import Case, measure
+
+    counts = measure(Case("fused", {"scale_policy": "fit"}, clip=clip))
+    assert (counts.host_reads, counts.d2h_blocking, counts.d2h_async) == (0, 0, 0)
+
+
+def _ranks_verify(rank: int, world_size: int) -> str:
+    from shardscale import ShardScaleDistributedError
+
+    scaler, model, optimizer = _setup()
+    _step(scaler, model, optimizer, torch.full((8,), 0.3))
+    scaler.verify_agreement()  # the same window and margin everywhere
+    if rank == 1:
+        state = scaler.state_dict()
+        assert state["_fit_window"][0] == 0.5  # 0.3's power of two
+        scaler.load_state_dict({**state, "_fit_window": [0.25, *state["_fit_window"][1:]]})
+    try:
+        scaler.verify_agreement()
+    except ShardScaleDistributedError as error:
+        return str(error)
+    return "agreed"
+
+
+def test_fit_verify_agreement_compares_the_window_and_margin() -> None:
+    for message in run_ranks(_ranks_verify, 2):
+        assert "_fit_window[0]: rank 0 = 0.5, rank 1 = 0.25" in message
