@@ -256,3 +256,28 @@ def _ranks_verify(rank: int, world_size: int) -> str:
 def test_fit_verify_agreement_compares_the_window_and_margin() -> None:
     for message in run_ranks(_ranks_verify, 2):
         assert "_fit_window[0]: rank 0 = 0.5, rank 1 = 0.25" in message
+
+
+@pytest.mark.torchrun
+@pytest.mark.xdist_group("torchrun")
+def test_policies_bench_runs_and_the_fit_arrives_from_a_cold_start(tmp_path: Any) -> None:
+    """`launch/bench/scale_policies.py` (docs/scale-policies.md), shortened: every policy gets
+    a row, the working scale is a power of two, and the fit reaches it from 1 in one update
+    while torch's rule, in 40 steps, cannot."""
+    import json
+
+    from tests.test_train import ROOT, torchrun
+
+    script = str(ROOT / "launch" / "bench" / "scale_policies.py")
+    out = tmp_path / "policies.json"
+    torchrun(2, "--steady", "40", "--recover", "40", "--json", str(out), script=script)
+    found = json.loads(out.read_text())
+    rows = {row["policy"]: row for row in found["rows"]}
+    assert len(rows) == 5
+    assert math.log2(found["working_scale"]).is_integer()
+    assert rows['shardscale, scale_policy="fit"']["cold_1"] == {
+        "steps": 1,
+        "skips": 0,
+        "arrived": True,
+    }
+    assert not rows["torch.amp.GradScaler"]["cold_1"]["arrived"]
