@@ -24,7 +24,10 @@ from torch import nn
 
 from shardscale import ShardedGradScaler
 
-SYNC_CASES: dict[str, tuple[dict[str, Any], str | None]] = {
+FIT = {"scale_policy": "fit"}
+SYNC_CASES: dict[
+    str, tuple[dict[str, Any], str | None] | tuple[dict[str, Any], str | None, Any]
+] = {
     "fused: step + update": ({"fused": True}, None),
     "fused: clip_grad_norm_ + step + update": ({"fused": True}, "clip"),
     "fused: unscale_ + step + update": ({"fused": True}, "unscale"),
@@ -33,6 +36,8 @@ SYNC_CASES: dict[str, tuple[dict[str, Any], str | None]] = {
         {"fused": True, "capturable": True},
         "clip",
     ),
+    'fused, scale_policy="fit": step + update': ({"fused": True}, None, FIT),
+    'fused, scale_policy="fit": clip_grad_norm_ + step + update': ({"fused": True}, "clip", FIT),
 }
 
 
@@ -47,12 +52,12 @@ def _backward(model: nn.Module, scaler: ShardedGradScaler, inputs: torch.Tensor)
     scaler.scale(loss).backward()
 
 
-def sync_case(options: dict[str, Any], before_step: str | None) -> None:
+def sync_case(options: dict[str, Any], before_step: str | None, scaler_options: Any = None) -> None:
     """Three steps; the third runs under ``set_sync_debug_mode("error")`` (the first two make
     the scaler's cached constants)."""
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, **options)
-    scaler = ShardedGradScaler()
+    scaler = ShardedGradScaler(**(scaler_options or {}))
     for step in range(3):
         optimizer.zero_grad()
         _backward(model, scaler, torch.randn(4, 16, device="cuda"))
@@ -72,11 +77,11 @@ def sync_case(options: dict[str, Any], before_step: str | None) -> None:
         raise AssertionError("a clean step was skipped")
 
 
-def graph_case() -> None:
+def graph_case(scaler_options: Any = None) -> None:
     """Capture step + update once, replay it clean and with an inf planted in a gradient."""
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True, capturable=True)
-    scaler = ShardedGradScaler(init_scale=2.0**8, growth_interval=1000)
+    scaler = ShardedGradScaler(init_scale=2.0**8, growth_interval=1000, **(scaler_options or {}))
     inputs = torch.randn(4, 16, device="cuda")
     side = torch.cuda.Stream()  # warm up on a side stream, as torch's CUDA-graph recipe asks
     side.wait_stream(torch.cuda.current_stream())
@@ -113,7 +118,8 @@ def main() -> int:
     if which == "sync":
         cases = {name: (lambda c=case: sync_case(*c)) for name, case in SYNC_CASES.items()}
     elif which == "graph":
-        cases = {"fused + capturable: step + update captured, replayed clean and inf": graph_case}
+        name = "fused + capturable: step + update captured, replayed clean and inf"
+        cases = {name: graph_case, f'{name}, scale_policy="fit"': lambda: graph_case(FIT)}
     else:
         print(f"usage: {sys.argv[0]} sync|graph (got {which!r})", file=sys.stderr)
         return 2
