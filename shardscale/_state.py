@@ -7,12 +7,15 @@ not at all (`parse_state_dict` validates every key, value and relation before an
 Checkpoints load both ways with torch's scalers: our state dict carries torch's five keys with
 torch's meanings (`scale`, `growth_factor`, `backoff_factor`, `growth_interval`,
 `_growth_tracker`), which is all `torch.amp.GradScaler.load_state_dict` reads; ours adds the
-hysteresis settings, the floor and ceiling, `dynamic`, the step counters and `format_version`.
+hysteresis settings, the floor and ceiling, `dynamic`, the step counters, `format_version` and
+the scale policy with its learned state (`scale_policy`, `_fit_margin`, `_fit_window`).
 A torch state dict has none of our keys and loads with our current settings, a full hysteresis
 allowance and zeroed counters. Each format version has its own set of our keys, all required (a
 dict with only some of them is damaged): version 0 (no `format_version`) and 1 lack the
-forward-overflow and retry counters of version 2, which then start at 0; a dict from a newer
-shardscale is refused. All values are Python numbers, identical on every rank, so
+forward-overflow and retry counters of version 2, which then start at 0; versions 0 to 2 lack
+the policy's keys of version 3 (the loading scaler keeps its own policy, and the fit's margin and
+window start afresh); a dict from a newer shardscale is refused. All values are Python numbers
+(the policy's name a string, the window a list of them), identical on every rank, so
 `torch.distributed.checkpoint` stores one copy and loads it at any world size.
 """
 

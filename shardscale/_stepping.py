@@ -475,7 +475,7 @@ class Stepper:
         )
         if ballot.bins is not None:
             peaks = (self.kernels.amax(groups, device, unscaled), *book.pending.peaks)
-            peak = torch.stack([move(p, device) for p in peaks]).amax()
+            peak = torch.stack([move(p, ballot.bins.device) for p in peaks]).amax()
             exponent = torch.frexp(peak).exponent.clamp_(BIN_LOW, BIN_LOW + BINS - 1)  # peak < 2^e
             slot = (exponent - BIN_LOW).long().reshape(1)
             ballot.bins.index_put_((slot,), ((peak > 0) & (peak < torch.inf)).float())
