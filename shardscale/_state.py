@@ -299,8 +299,8 @@ class DeviceState:
         self.growth_tracker.fill_(state.scale.growth_tracker)
         self.hysteresis_tracker.fill_(state.scale.hysteresis_tracker)
         c = state.counters
-        values = [getattr(c, f.name) for f in fields(Counters)]  # in Count's order, but:
-        values[Count.SINCE_OVERFLOW] = c.steps - c.last_overflow_step
+        head = (c.steps, c.skipped_steps, c.consecutive_skips)  # in Count's order
+        values = (*head, c.steps - c.last_overflow_step, c.forward_overflows, c.retries)
         self.counters.copy_(torch.tensor(values, dtype=torch.float64))
         self.fit.copy_(torch.tensor([state.scale.margin, *state.scale.window]))
 
