@@ -16,14 +16,26 @@ from shardscale import ShardedGradScaler
 from tests.harness import run_ranks
 from tests.setups import build, plant
 
+_OVERFLOWS = {1: 1, 2: 0, 4: 0}  # step: the rank whose shard overflows there
 
-def _rank_train_and_save(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+
+def _rank_train_and_save(
+    rank: int,
+    world_size: int,
+    folder: str,
+    options: dict[str, Any] | None = None,
+    overflows: dict[int, int] | None = None,
+) -> dict[str, Any]:
+    """Five steps (FSDP2, fused AdamW) with the planted `overflows`, then a DCP save."""
     setup = build("fsdp2", "fused", world_size)
-    scaler = ShardedGradScaler(init_scale=2.0**6, growth_interval=2, hysteresis=2)
+    scaler = ShardedGradScaler(
+        **(options or {"init_scale": 2.0**6, "growth_interval": 2, "hysteresis": 2})
+    )
+    overflows = _OVERFLOWS if overflows is None else overflows
     for step in range(5):
         setup.optimizer.zero_grad()
         scaler.scale(setup.loss(step, rank)).backward()
-        if step in (1, 2, 4) and rank == step % 2:
+        if overflows.get(step) == rank:
             plant(setup.optimizer, math.inf)
         scaler.step(setup.optimizer)
         scaler.update()
@@ -39,6 +51,7 @@ def _rank_resume(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     scaler.scale(setup.loss(0, rank)).backward()
     scaler.step(setup.optimizer)
     scaler.update()
+    scaler.verify_agreement()
     return {"loaded": loaded, "after": scaler.state_dict()}
 
 

@@ -283,48 +283,19 @@ def test_policies_bench_runs_and_the_fit_arrives_from_a_cold_start(tmp_path: Any
     assert not rows["torch.amp.GradScaler"]["cold_1"]["arrived"]
 
 
-def _rank_fit_train_and_save(rank: int, world_size: int, folder: str) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-
-    from tests.setups import build, plant
-
-    setup = build("fsdp2", "fused", world_size)
-    scaler = ShardedGradScaler(scale_policy="fit")
-    for step in range(4):
-        setup.optimizer.zero_grad()
-        scaler.scale(setup.loss(step, rank)).backward()
-        if step == 2 and rank == 1:  # an overflow on one rank's shard, the window holding steps
-            plant(setup.optimizer, math.inf)
-        scaler.step(setup.optimizer)
-        scaler.update()
-    dcp.save({"scaler": scaler}, checkpoint_id=folder)
-    return scaler.state_dict()
-
-
-def _rank_fit_resume(rank: int, world_size: int, folder: str) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-
-    from tests.setups import build
-
-    scaler = ShardedGradScaler()  # "interval": the checkpoint's policy is taken on load
-    dcp.load({"scaler": scaler}, checkpoint_id=folder)
-    loaded = scaler.state_dict()
-    setup = build("fsdp2", "for-loop", world_size)
-    scaler.scale(setup.loss(0, rank)).backward()
-    scaler.step(setup.optimizer)
-    scaler.update()
-    scaler.verify_agreement()
-    return {"loaded": loaded, "after": scaler.state_dict()}
-
-
 def test_fit_resumes_through_dcp_at_another_world_size_and_the_ranks_agree(tmp_path: Any) -> None:
-    states = run_ranks(_rank_fit_train_and_save, 2, str(tmp_path))
+    """Saved on 2 ranks with a learned margin, resumed on 1 and on 3 into a scaler built with
+    "interval" (the checkpoint's policy is taken on load); every rank agrees after a step."""
+    from tests.test_checkpoint import _rank_resume, _rank_train_and_save
+
+    fit, overflow = {"scale_policy": "fit"}, {2: 1}  # on rank 1's shard, the window holding steps
+    states = run_ranks(_rank_train_and_save, 2, str(tmp_path), fit, overflow)
     assert states[0] == states[1]
     assert states[0]["_fit_margin"] == FIT_MARGIN + 1  # learned from rank 1's overflow
     assert states[0]["skipped_steps"] == 1
     assert any(states[0]["_fit_window"])
     for world_size in (1, 3):
-        results = run_ranks(_rank_fit_resume, world_size, str(tmp_path))
+        results = run_ranks(_rank_resume, world_size, str(tmp_path))
         for result in results:
             assert result["loaded"] == states[0]
             assert result["after"] == results[0]["after"]
