@@ -3,7 +3,12 @@
 import importlib.metadata as _metadata
 
 from shardscale._errors import ShardScaleDistributedError, ShardScaleSkipError, ShardScaleWarning
-from shardscale._locate import NonFiniteGrad, find_nonfinite_grads
+from shardscale._locate import (
+    NonFiniteGrad,
+    UnderflowingGrad,
+    find_nonfinite_grads,
+    find_underflowing_grads,
+)
 from shardscale._policy import ScalePolicy, ScaleState
 from shardscale._profiling import count_collectives
 from shardscale._report import ScalerStats
@@ -20,9 +25,11 @@ __all__ = [
     "ShardScaleSkipError",
     "ShardScaleWarning",
     "ShardedGradScaler",
+    "UnderflowingGrad",
     "__version__",
     "count_collectives",
     "find_nonfinite_grads",
+    "find_underflowing_grads",
 ]
 
 try:

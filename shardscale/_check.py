@@ -31,9 +31,12 @@ import operator
 
 import torch
 
+from shardscale._exchange import BIN_LOW, BINS
 from shardscale._grads import GradGroups, NormGroups, move
 from shardscale._torch import check_and_unscale_, foreach_norm
 
+Groups = GradGroups | NormGroups
+Tensor = torch.Tensor
 Flags = dict[torch.device, torch.Tensor]
 """One float32 scalar per device holding gradients: 1.0 where any element was non-finite."""
 
@@ -61,6 +64,12 @@ def exact_norm_check(groups: NormGroups, norm_type: float) -> bool:
     """
     small_p = norm_type <= 2.0 or math.isinf(norm_type)
     return small_p and torch.float64 not in map(_DTYPE, groups)
+
+
+def can_count(device: torch.device) -> bool:
+    """Whether [`Kernels.bins`][] may count elements on `device` (`histc`): not on CUDA with
+    deterministic algorithms on, where `histc` has no deterministic kernel and would raise."""
+    return device.type != "cuda" or not torch.are_deterministic_algorithms_enabled()
 
 
 class Kernels:
@@ -107,19 +116,34 @@ class Kernels:
             check_and_unscale_(grads, flags[device], factors[device])
         return flags
 
-    def amax(
-        self,
-        groups: tuple[GradGroups | NormGroups, ...],
-        device: torch.device,
-        scale: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The largest |gradient| in `groups` (times `scale`, for gradients unscaled already), a
-        float32 scalar on `device`: one read pass (`scale_policy="fit"`), a kernel per group
-        and two more; 0 without gradient elements, non-finite where an element is."""
-        every = (grads for group in groups for grads in group.values())
-        peaks = [torch.stack(foreach_norm(g, math.inf, dtype=torch.float32)).amax() for g in every]
-        each = torch.stack([torch.zeros((), device=device), *(move(p, device) for p in peaks)])
-        return each.amax() if scale is None else each.amax() * move(scale, device)
+    def bins(
+        self, groups: tuple[Groups, ...], device: torch.device, scale: Tensor | None, counts: bool
+    ) -> Tensor:
+        """This rank's bins of the ballot (`shardscale._exchange`) for `groups`' |gradient|s
+        (times `scale`, for gradients unscaled already), float32 on `device`.
+
+        `counts` (the underflow meter's steps, every `underflow_every`): how many non-zero
+        finite elements fall in each bin; three kernels per tensor (abs, log2, `histc`; a fourth
+        casts fp16/bf16 to float32), a temporary of one tensor's size at a time, no host read.
+        Zeros, inf, NaN and magnitudes beyond 2^-64 ... 2^64 are in no bin. Else (the fit's):
+        the bin of the largest, raised (none for 0 or a non-finite one), in one read pass, a
+        kernel per group and a few more.
+        """
+        lists = [grads for group in groups for grads in group.values()]
+        bins = torch.zeros(BINS, dtype=torch.float32, device=device)
+        if counts:
+            for grad in (grad for grads in lists for grad in grads):
+                logs = grad.abs().float().log2_()  # a new tensor: never the gradient itself
+                if scale is not None:
+                    logs.add_(torch.log2(move(scale, logs.device)))
+                bins += move(torch.histc(logs, BINS, BIN_LOW - 1, BIN_LOW + BINS - 1), device)
+            return bins
+        peaks = [torch.stack(foreach_norm(g, math.inf, dtype=torch.float32)).amax() for g in lists]
+        peak = torch.stack([torch.zeros((), device=device), *(move(p, device) for p in peaks)])
+        peak = peak.amax() if scale is None else peak.amax() * move(scale, device)
+        exponent = torch.frexp(peak).exponent.clamp_(BIN_LOW, BIN_LOW + BINS - 1)  # peak < 2^e
+        slot = (exponent - BIN_LOW).long().reshape(1)
+        return bins.index_put_((slot,), ((peak > 0) & (peak < torch.inf)).float())
 
     def multiply_(self, groups: GradGroups | NormGroups, factor: torch.Tensor) -> None:
         """Multiply every gradient in `groups` by the float32 scalar `factor`, in place.

@@ -46,6 +46,7 @@ class ScalerConfig:
     locate_overflow: bool = False
     max_retries: int = 3
     scale_policy: str = "interval"
+    underflow_every: int = 100
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalised values are set once, here
@@ -65,6 +66,7 @@ class ScalerConfig:
         set_(self, "sync_timeout", timeout_option("sync_timeout", self.sync_timeout))
         if check_int("verify_every", self.verify_every) < 0:
             raise ValueError(f"verify_every must be >= 0 (0: never), got {self.verify_every}")
+        check_int("underflow_every", self.underflow_every, minimum=0)
         if check_int("max_retries", self.max_retries) < 0:
             raise ValueError(f"max_retries must be >= 0 (0: never retry), got {self.max_retries}")
         limit = self.max_consecutive_skips

@@ -19,12 +19,16 @@ and optimizers hold the gradients:
 * has a scale: 0 for a rank that never called `scale()` (a pipeline stage before the last),
   until the group has confirmed that some rank does;
 * norm share: this rank's part of a global gradient norm (`clip_grad_norm_` only);
-* bins (`scale_policy="fit"` only): 128 slots, one per power of two from 2^-63 to 2^64; this
-  rank raises the one just above its largest |scaled gradient|. Whether the reduction is MAX or
-  SUM, the highest raised slot is then the group's: its value travels exactly, replicas and all.
+* bins (`scale_policy="fit"`, and the underflow meter's steps): 128 slots, one per power of two
+  from 2^-63 to 2^64, slot i for magnitudes in [2^(i-64), 2^(i-63)). For the fit this rank
+  raises the one holding its largest |scaled gradient|. Whether the reduction is MAX or SUM, the
+  highest raised slot is then the group's: its value travels exactly, replicas and all. On the
+  meter's steps each slot holds how many non-zero finite gradient elements fall in it (the
+  highest such slot is the same bound for the fit), and the counts add up.
 
-The reduction is MAX, or SUM when a finite p-norm travels (its shares add up; the flags then count
-and are clamped to 1). Either way the agreed flags are exactly 0.0 or 1.0: torch's fused
+The reduction is MAX, or SUM when a finite p-norm or the meter's counts travel (shares and counts
+add up; the flags then count and are clamped to 1). An inf-norm's shares need MAX: the meter
+waits for a step without one. Either way the agreed flags are exactly 0.0 or 1.0: torch's fused
 optimizers skip only when `found_inf == 1.0`, so a summed flag of 2.0 (two ranks overflowed)
 would make them step with inf gradients.
 
@@ -79,7 +83,10 @@ _BROKEN = re.compile(r"connection (reset|closed|refused)|broken pipe", re.IGNORE
 Slot = IntEnum("Slot", "HOLDS SKIP FORWARD SCALED NORM", start=0)
 Flag = IntEnum("Flag", "SKIP FORWARD", start=0)
 BINS, BIN_LOW = 128, -63
-"""The ballot's bins for `scale_policy="fit"`: 2^-63 ... 2^64 (see the module)."""
+"""The ballot's bins for `scale_policy="fit"` and the meter: 2^-63 ... 2^64 (see the module)."""
+# fp16's smallest normal magnitude (a scaled gradient below it is subnormal in fp16, or flushed
+# to zero), and the meter's target: the fraction of the non-zero elements allowed below it.
+UNDERFLOW_BELOW, UNDERFLOW_TARGET = 2.0**-14, 1e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +108,9 @@ class Ballot:
     loss_checked: bool = False
     """Whether a loss's finiteness went into the forward-overflow slot."""
     bins: torch.Tensor | None = None
-    """The bins (a view; module docstring), where `scale_policy="fit"` wants them."""
+    """The bins (a view; module docstring), where `scale_policy="fit"` or the meter wants them."""
+    counts: bool = False
+    """Whether the bins hold the meter's element counts, which travel in a SUM."""
 
 
 @dataclass(slots=True, eq=False)
@@ -118,6 +127,8 @@ class Verdict:
     peak: torch.Tensor | None = None
     """The power of two just above the group's largest |scaled gradient| (float32 scalar; 0
     where none was finite and non-zero), where the bins travelled."""
+    counts: torch.Tensor | None = None
+    """The group's non-zero |scaled gradient| elements by bin (float32; the meter's steps)."""
 
     @property
     def found_inf(self) -> torch.Tensor:
@@ -278,6 +289,7 @@ class Exchange:
         loss_nonfinite: torch.Tensor | None = None,
         with_norm: bool = False,
         bins: bool = False,
+        counts: bool = False,
     ) -> Ballot:
         """A fresh ballot on the communication device for `device`, in one kernel.
 
@@ -285,13 +297,14 @@ class Exchange:
         iteration was inf or NaN: a bool scalar from `scale()`) is True, else at 0; the local
         check raises
         the skip slot itself ([`Ballot.skip`][Ballot.skip]). The two templates are made once
-        per device by this exchange, and die with it.
+        per device by this exchange, and die with it. `counts`: the bins will hold the meter's
+        counts (they come with `bins`).
         """
-        key = (device, holds_grads, has_scale, with_norm, bins)
+        key = (device, holds_grads, has_scale, with_norm, bins or counts)
         templates = self._templates.get(key)
         if templates is None:
             ok = [float(holds_grads), 0.0, 0.0, float(has_scale)] + [0.0] * with_norm
-            ok += [0.0] * (BINS * bins)
+            ok += [0.0] * (BINS * (bins or counts))
             bad = [*ok[:2], 1.0, *ok[3:]]
             templates = self._templates[key] = torch.tensor(
                 [ok, bad], dtype=torch.float32, device=self.comm_device(device)
@@ -302,8 +315,8 @@ class Exchange:
             votes = torch.where(move(loss_nonfinite, templates.device), templates[1], templates[0])
         norm = votes[Slot.NORM] if with_norm else None
         checked = loss_nonfinite is not None
-        raised = votes[-BINS:] if bins else None
-        return Ballot(votes, device, holds_grads, votes[Slot.SKIP], norm, checked, raised)
+        raised = votes[-BINS:] if bins or counts else None
+        return Ballot(votes, device, holds_grads, votes[Slot.SKIP], norm, checked, raised, counts)
 
     def agree(
         self,
@@ -349,7 +362,8 @@ class Exchange:
             # still show in the norm: this share goes in as inf. Otherwise the slot was raised
             # only where a norm was non-finite, so the share already is.
             votes[Slot.NORM].masked_fill_(slot > 0, math.inf)
-        summed = norm_type is not None and not math.isinf(norm_type)
+        summed_norm = norm_type is not None and not math.isinf(norm_type)
+        summed = summed_norm or ballot.counts
         if self.world_size > 1:
             op = dist.ReduceOp.SUM if summed else dist.ReduceOp.MAX
             what = "the overflow flag" + (" and gradient norm" if norm_type is not None else "")
@@ -368,9 +382,10 @@ class Exchange:
             exponents = torch.arange(BIN_LOW, BIN_LOW + BINS, device=votes.device)
             powers = torch.exp2(exponents.float())  # each bin's power of two
             verdict.peak = move(((ballot.bins > 0) * powers).amax(), ballot.device)
+            verdict.counts = move(ballot.bins, ballot.device) if ballot.counts else None
         if norm_type is not None:
             total = votes[Slot.NORM]
-            if summed and norm_type != 1.0:
+            if summed_norm and norm_type != 1.0:
                 total = total.pow(1.0 / norm_type)
             verdict.total_norm = move(total, ballot.device)
         return verdict

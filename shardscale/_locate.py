@@ -18,7 +18,8 @@ one synchronisation per step after a fused step on an accelerator).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import cast
@@ -27,8 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardscale._exchange import Exchange, timeout_option
+from shardscale._exchange import UNDERFLOW_BELOW, Exchange, timeout_option
 from shardscale._grads import original_slices
+from shardscale._policy import check_real
 
 logger = logging.getLogger("shardscale")
 """The library's logger: INFO per skipped step (rate-limited), WARNING for located overflows."""
@@ -105,37 +107,46 @@ def locate(
     """
     losses = list(losses)
     pieces = [(LOSS, torch.cat([loss.reshape(-1) for loss in losses]))] if losses else []
-    pieces += [
-        (clean_name(piece), values)
-        for name, param in named_params
-        for piece, values in original_slices(name, param)
-    ]
-    counted = [(name, values) for name, values in pieces if values.numel() > 0]
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    counts = _nonfinite_counts([values for _, values in counted])  # [] for none
+    pieces += _pieces(named_params)
+    counts = _counts(pieces, lambda v: torch.stack((v.isinf().sum(), v.isnan().sum())))
     mine = [
-        NonFiniteGrad(rank=rank, name=name, num_inf=infs, num_nan=nans)
-        for (name, _), (infs, nans) in zip(counted, counts, strict=True)
+        NonFiniteGrad(rank=_rank(), name=name, num_inf=infs, num_nan=nans)
+        for (name, _), (infs, nans) in zip(pieces, counts, strict=True)
         if infs or nans
     ]
     gathered = exchange.gather_objects(mine, step, "their non-finite gradient records")
     return [record for records in gathered for record in cast(list[NonFiniteGrad], records)]
 
 
-def _nonfinite_counts(pieces: list[torch.Tensor]) -> list[tuple[int, int]]:
-    """`(infs, NaNs)` of each piece: counted where it lives, one host transfer per device."""
+def _pieces(named_params: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """`(original name, local gradient elements)` of each original parameter holding some."""
+    pieces = [
+        (clean_name(piece), values)
+        for name, param in named_params
+        for piece, values in original_slices(name, param)
+    ]
+    return [(name, values) for name, values in pieces if values.numel() > 0]
+
+
+def _counts(
+    pieces: list[tuple[str, torch.Tensor]], measure: Callable[[torch.Tensor], torch.Tensor]
+) -> list[list[int]]:
+    """`measure(values)` (a 1-D tensor of counts) of each piece: counted where it lives, one host
+    transfer per device."""
     by_device: dict[torch.device, list[int]] = {}
-    for i, values in enumerate(pieces):
+    for i, (_, values) in enumerate(pieces):
         by_device.setdefault(values.device, []).append(i)
-    counts: list[tuple[int, int]] = [(0, 0)] * len(pieces)
+    counts: list[list[int]] = [[]] * len(pieces)
     with torch.no_grad():
         for indices in by_device.values():
-            rows = [
-                torch.stack((pieces[i].isinf().sum(), pieces[i].isnan().sum())) for i in indices
-            ]
-            for i, (infs, nans) in zip(indices, torch.stack(rows).cpu().tolist(), strict=True):
-                counts[i] = (int(infs), int(nans))
+            rows = torch.stack([measure(pieces[i][1]) for i in indices]).cpu().tolist()
+            for i, row in zip(indices, rows, strict=True):
+                counts[i] = [int(count) for count in row]
     return counts
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def find_nonfinite_grads(
@@ -166,6 +177,80 @@ def find_nonfinite_grads(
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     exchange = Exchange(process_group, timeout_option("timeout", timeout))
     return locate(_unwrapped(module).named_parameters(), exchange, None)
+
+
+@dataclass(frozen=True, slots=True)
+class UnderflowingGrad:
+    """Gradient elements of one parameter, as held by one rank, below fp16's normal range.
+
+    Attributes:
+        rank: the global rank holding them.
+        name: the parameter's fully-qualified name in the original model (no wrapper prefixes).
+        num_underflowing: how many non-zero elements of this rank's gradient were below 2^-14
+            (times `scale`).
+        num_nonzero: how many of its elements were non-zero.
+    """
+
+    rank: int
+    name: str
+    num_underflowing: int
+    num_nonzero: int
+
+    @property
+    def fraction(self) -> float:
+        """`num_underflowing / num_nonzero`."""
+        return self.num_underflowing / self.num_nonzero
+
+
+def find_underflowing_grads(
+    module: nn.Module,
+    scale: float = 1.0,
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    timeout: timedelta | float | None = None,
+) -> list[UnderflowingGrad]:
+    """Which parameters of `module` hold gradient elements below fp16's normal range (2^-14:
+    subnormal in fp16, or flushed to zero), on which rank, and how many: the layers behind the
+    scaler's `stats.underflow`.
+
+    Counts the gradients as they are, times `scale`: between `scaler.scale(loss).backward()` and
+    the scaler's `step()` (or `unscale_()`) they still carry the loss scale, so leave `scale` at
+    1; after, pass `scaler.get_scale()`. Zeros are not counted: a zero is the same at every
+    scale, and in an fp16 gradient it cannot be told from a flushed value.
+
+    Works for every model [`find_nonfinite_grads()`][shardscale.find_nonfinite_grads] does, with
+    the same names, and like it is a collective when the process group has more than one rank:
+    call it on every rank of `process_group` (None: the default group); `timeout` bounds the
+    wait for the others.
+
+    Returns:
+        [`UnderflowingGrad`][] records (`rank`, `name`, `num_underflowing`, `num_nonzero`,
+        `fraction`) for every (rank, parameter) with an element below 2^-14, identical on every
+        rank, by rank then in parameter order.
+
+    Raises:
+        TypeError, ValueError: `module` is not a module, or `scale` is not a finite number > 0.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    factor = check_real("scale", scale)
+    if not (math.isfinite(factor) and factor > 0):
+        raise ValueError(f"scale must be a finite number > 0, got {scale}")
+    exchange = Exchange(process_group, timeout_option("timeout", timeout))
+
+    def measure(values: torch.Tensor) -> torch.Tensor:
+        nonzero = values != 0
+        below = values.abs().float().mul_(factor) < UNDERFLOW_BELOW  # on a new tensor
+        return torch.stack(((nonzero & below).sum(), nonzero.sum()))
+
+    pieces = _pieces(_unwrapped(module).named_parameters())
+    mine = [
+        UnderflowingGrad(rank=_rank(), name=name, num_underflowing=below, num_nonzero=nonzero)
+        for (name, _), (below, nonzero) in zip(pieces, _counts(pieces, measure), strict=True)
+        if below
+    ]
+    gathered = exchange.gather_objects(mine, None, "their underflowing gradient records")
+    return [record for records in gathered for record in cast(list[UnderflowingGrad], records)]
 
 
 def log_located(step: int, located: list[NonFiniteGrad], forward: bool) -> None:

@@ -20,17 +20,23 @@ import logging
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
 from shardscale._errors import ShardScaleSkipError, ShardScaleWarning
+from shardscale._exchange import UNDERFLOW_TARGET
 from shardscale._locate import logger
 from shardscale._policy import ScalePolicy
 from shardscale._state import Count, Counters, DeviceState, unpack
 
+_UNDERFLOW_MESSAGE = (
+    "step %d: %.3g%% of the non-zero gradient elements were below fp16's normal range (2^-14) "
+    "at its scale; from a scale of %g, at most %g%% would be"
+)
 LOG_INTERVAL_S = 10.0
 """At most one skipped-step message per this many seconds; the next one counts the rest."""
 
@@ -59,6 +65,12 @@ class ScalerStats:
     overflow: the scale was held, not backed off)."""
     retries: int = 0
     """Batches run again by `step(closure=...)` after their gradients overflowed."""
+    underflow: float = 0.0
+    """The meter's last reading: the fraction of non-zero gradient elements below 2^-14."""
+    underflow_scale: float = 0.0
+    """The lowest scale at which at most 0.1% of them would have been below 2^-14."""
+    underflow_step: int = 0
+    """The step of that reading (0: none yet; `underflow_every`, docs/observability.md)."""
 
     @property
     def last_step_skipped(self) -> bool:
@@ -66,15 +78,18 @@ class ScalerStats:
         return self.steps > 0 and self.last_overflow_step == self.steps
 
 
-def stats_of(scale: float, counters: Counters) -> ScalerStats:
-    """Stats from host values."""
-    return ScalerStats(scale=scale, **asdict(counters))
+def stats_of(scale: float, counters: Counters, meter: Sequence[float] = (0, 0, 0)) -> ScalerStats:
+    """Stats from host values (`meter`: `DeviceState.meter`'s)."""
+    step, fraction, fitted = meter
+    meter_fields: dict[str, Any] = {"underflow": fraction, "underflow_scale": fitted}
+    meter_fields["underflow_step"] = int(step)
+    return ScalerStats(scale=scale, **asdict(counters), **meter_fields)
 
 
 def stats_from(values: list[float]) -> ScalerStats:
     """Stats from `DeviceState.packed()`'s values, read on the host."""
     scale, counters = unpack(values)
-    return stats_of(scale.scale, counters)
+    return stats_of(scale.scale, counters, values[-3:])
 
 
 StatsHook = Callable[[ScalerStats], None]
@@ -152,6 +167,9 @@ class StepReporter:
         self._forward_overflows = stats.forward_overflows
         if stats.last_step_skipped:
             self._log_skip(stats, forward)
+        if stats.underflow_step == stats.steps and stats.underflow > UNDERFLOW_TARGET:
+            values = (stats.steps, 100 * stats.underflow, stats.underflow_scale)
+            logger.info(_UNDERFLOW_MESSAGE, *values, 100 * UNDERFLOW_TARGET)
         for hook in list(self._hooks.values()):
             hook(stats)
         limit = self.max_consecutive_skips

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from shardscale._errors import no_scale_message
-from shardscale._exchange import Flag
+from shardscale._exchange import BIN_LOW, UNDERFLOW_BELOW, UNDERFLOW_TARGET, Flag, Verdict
 from shardscale._policy import (
     SCALE_POLICIES,
     ScalePolicy,
@@ -278,6 +278,8 @@ class DeviceState:
     """`_COUNT_TERMS` on this device (float32, 3 x 14: the base, then the slopes)."""
     fit: torch.Tensor
     """float32 `[margin, window...]` of the `fit` policy (`ScaleState`'s)."""
+    meter: torch.Tensor
+    """float64 `[step, fraction, scale]`: the meter's last reading (`_meter_`; zeros: none)."""
 
     @classmethod
     def create(cls, state: ScalerState, device: torch.device) -> DeviceState:
@@ -289,6 +291,7 @@ class DeviceState:
             counters=torch.zeros(6, dtype=torch.float64, device=device),
             count_terms=torch.tensor(_COUNT_TERMS, dtype=torch.float32, device=device),
             fit=torch.empty(1 + len(state.scale.window), dtype=torch.float32, device=device),
+            meter=torch.zeros(3, dtype=torch.float64, device=device),
         )
         device_state.write(state)
         return device_state
@@ -305,29 +308,26 @@ class DeviceState:
         self.fit.copy_(torch.tensor([state.scale.margin, *state.scale.window]))
 
     def apply_(
-        self,
-        policy: ScalePolicy,
-        flags: torch.Tensor,
-        clean: bool,
-        manual: torch.Tensor | None = None,
-        peak: torch.Tensor | None = None,
+        self, policy: ScalePolicy, verdict: Verdict, manual: torch.Tensor | None = None
     ) -> None:
-        """Count one step and move the scale, from the agreed flags, without a host sync.
+        """Count one step and move the scale, from the group's `verdict`, without a host sync.
 
-        Args:
-            flags: the agreed float32 flags, by `Flag`, each exactly 0.0 or 1.0 (a forward
-                overflow is a skip: never above the skip flag).
-            clean: the host read the flags and the step was not skipped (a plain step's
-                decision): the counts move by constants (the flags' terms vanish), and there is
-                no forward overflow to hold the scale for, nor a backoff to floor: three
-                kernels fewer.
-            manual: set the scale to this instead of moving it (`update(new_scale=...)`).
-            peak: the agreed bound of the step's largest scaled gradient magnitude (`fit`).
+        Read from it: the agreed flags, by `Flag`, each exactly 0.0 or 1.0 (a forward overflow
+        is a skip: never above the skip flag); whether the host read them and the step was not
+        skipped (`read is False`: a plain step's decision), where the counts move by constants
+        (the flags' terms vanish), and there is no forward overflow to hold the scale for, nor
+        a backoff to floor: three kernels fewer; the bound of the largest scaled gradient
+        (`peak`, the fit's); the meter's counts (read at the scale the gradients carried,
+        before it moves). `manual`: set the scale to this instead of moving it
+        (`update(new_scale=...)`).
         """
+        flags, clean, peak = verdict.flags, verdict.read is False, verdict.peak
         terms = self.count_terms
         rows = terms[0] if clean else torch.addmm(terms[:1], flags.view(1, 2), terms[1:])
         keep, add = rows.view(2, len(Count))
         torch.addcmul(add[: Count.BACKOFF], self.counters, keep[: Count.BACKOFF], out=self.counters)
+        if verdict.counts is not None:  # counted this step, the scale not moved yet
+            self._meter_(verdict.counts.double())
         state = (self.scale, self.growth_tracker, self.hysteresis_tracker)
         backoff = flags[Flag.SKIP] if clean else add[Count.BACKOFF]  # clean: 0
         seen = None
@@ -342,6 +342,19 @@ class DeviceState:
         if seen is not None:
             policy.fit_(self.scale, self.fit, seen, backoff)
 
+    def _meter_(self, counts: torch.Tensor) -> None:
+        """Read the meter from the group's counts, on the device: the step, the fraction of
+        the non-zero elements below `UNDERFLOW_BELOW` (subnormal in fp16) at this scale, and
+        the scale, this one times a power of two, from which at most `UNDERFLOW_TARGET` of them
+        would be (the lowest such; NaN without a non-zero element)."""
+        below = int(math.log2(UNDERFLOW_BELOW)) - BIN_LOW + 1  # the bins under it: 0 .. below-1
+        total = counts.sum()
+        shares = counts.cumsum(0) / total  # at each bin: the fraction at or under it
+        shift = below - (shares <= UNDERFLOW_TARGET).sum()  # bins to move up (or down)
+        fitted = torch.where(total > 0, self.scale * torch.exp2(shift), math.nan)
+        step = self.counters[Count.STEPS]
+        self.meter.copy_(torch.stack([step, shares[below - 1], fitted.double()]))
+
     def back_off_for_retry_(self, policy: ScalePolicy) -> bool:
         """Back the scale off once for a rerun of the batch (`step(closure=...)`), and count the
         retry; False, changing nothing, where the scale cannot go lower (`dynamic=False`, or at
@@ -353,12 +366,14 @@ class DeviceState:
         return True
 
     def packed(self) -> torch.Tensor:
-        """`[scale, growth_tracker, hysteresis_tracker, *counters, *fit]`, one float64 tensor.
+        """`[scale, growth_tracker, hysteresis_tracker, *counters, *fit, *meter]`, one float64
+        tensor.
 
         One host read then gets everything (`read`, and the step reports).
         """
         head = (self.scale, self.growth_tracker, self.hysteresis_tracker)
-        return torch.cat([*(t.double().reshape(1) for t in head), self.counters, self.fit])
+        packed = [*(t.double().reshape(1) for t in head), self.counters, self.fit, self.meter]
+        return torch.cat(packed)
 
 
 def unpack(values: list[float]) -> tuple[ScaleState, Counters]:
@@ -366,7 +381,7 @@ def unpack(values: list[float]) -> tuple[ScaleState, Counters]:
     scale, growth, hysteresis, steps, skipped, consecutive, since, forward, retries = values[:9]
     last_overflow = steps - since if skipped else 0
     counters = Counters(*map(int, (steps, skipped, consecutive, last_overflow, forward, retries)))
-    margin, *window = values[9:]
+    margin, *window = values[9:-3]  # the meter's 3 last
     return ScaleState(scale, int(growth), int(hysteresis), int(margin), tuple(window)), counters
 
 

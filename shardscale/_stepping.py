@@ -22,6 +22,7 @@ ones get the scale and the agreed flag, and each target's own `step()` is called
 
 from __future__ import annotations
 
+import math
 import operator
 import sys
 import warnings
@@ -34,9 +35,10 @@ from typing import Any, TypeAlias, cast
 import torch
 from torch.distributed.tensor import DTensor
 
-from shardscale._check import Flags, Kernels, exact_norm_check
+from shardscale._check import Flags, Kernels, can_count, exact_norm_check
+from shardscale._config import ScalerConfig
 from shardscale._errors import ShardScaleWarning
-from shardscale._exchange import BIN_LOW, BINS, Ballot, Exchange, Flag, Verdict
+from shardscale._exchange import Ballot, Exchange, Flag, Verdict
 from shardscale._grads import GradGroups, GradWalk, NormGroups, move
 from shardscale._locate import NonFiniteGrad, locate, log_located, optimizer_named_params
 from shardscale._state import ScaleHome
@@ -93,8 +95,8 @@ class PendingCheck:
     records: list[OptimizerRecord] = field(default_factory=list)
     flags: list[torch.Tensor] = field(default_factory=list)
     holds: bool = False
-    peaks: list[torch.Tensor] = field(default_factory=list)
-    """Their largest |scaled gradient|s (`scale_policy="fit"`), taken before the unscale."""
+    bins: list[torch.Tensor] = field(default_factory=list)
+    """Their bins (`scale_policy="fit"`, the meter's steps: `Kernels.bins`), before the unscale."""
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
@@ -176,6 +178,8 @@ def combined(records: Iterable[OptimizerRecord]) -> Verdict | None:
     verdict = Verdict(torch.stack([move(v.flags, device) for v in distinct]).amax(0))
     peaks = [move(v.peak, device) for v in distinct if v.peak is not None]
     verdict.peak = torch.stack(peaks).amax() if peaks else None
+    counts = [move(v.counts, device) for v in distinct if v.counts is not None]
+    verdict.counts = torch.stack(counts).sum(0) if counts else None
     return verdict
 
 
@@ -294,15 +298,17 @@ class Stepper:
     Args:
         exchange: the process group and its collectives.
         home: the scale state, and whether this rank scaled or holds an unconfirmed scale.
-        locate_overflow: on overflow steps, find and log the non-finite gradients.
+        config: the scaler's options; read here: `locate_overflow` (on overflow steps, find and
+            log the non-finite gradients) and `underflow_every` (the meter's steps).
     """
 
-    def __init__(self, exchange: Exchange, home: ScaleHome, *, locate_overflow: bool) -> None:
+    def __init__(self, exchange: Exchange, home: ScaleHome, config: ScalerConfig) -> None:
         self.exchange = exchange
         self.home = home
         self.kernels = Kernels()
         self.last_overflow: list[NonFiniteGrad] = []
-        self._locate_overflow = locate_overflow
+        self._locate_overflow = config.locate_overflow
+        self._meter_every = config.underflow_every
         self._walk = GradWalk()
         # Whether this scaler has been through an agreement: every rank passes its first at the
         # same collective, so "defer unscale_'s agreement" is decided alike everywhere.
@@ -323,8 +329,10 @@ class Stepper:
             pending = book.pending
             with torch.no_grad():
                 groups, _, holds = self._walk.groups(_params(to_check))
-                if self.home.host.policy.fit:
-                    pending.peaks.append(self.kernels.amax((groups,), scale.device, None))
+                every = self._meter_every  # the meter's step: an inf-norm clip may still undo it
+                counts = bool(every) and book.step % every == 0 and can_count(scale.device)
+                if self.home.host.policy.fit or counts:
+                    pending.bins.append(self.kernels.bins((groups,), scale.device, None, counts))
                 flags = self.kernels.check_(groups, self.kernels.inverse(scale), {})
             pending.records.extend(to_check)
             pending.flags.extend(flags.values())
@@ -434,7 +442,9 @@ class Stepper:
                 self._warn_plain_replicas_assumed(clip.replicas)
             confirm = "clip_grad_norm_" if scale is not None and self.home.unconfirmed else None
             unscaled = None if clip.scaled else scale  # its gradients' peak is times the scale
-            ballot, flags = self._ballot(book, device, holds, confirm, (norms,), unscaled, True)
+            ballot, flags = self._ballot(
+                book, device, holds, confirm, (norms,), unscaled, clip.norm_type
+            )
             inv = kernels.inverse(scale) if clip.scaled and scale is not None else None
             # The norms' check raises the ballot's own slot (no kernel of its own) where a
             # non-finite norm means a non-finite element; otherwise the elements are checked.
@@ -457,28 +467,32 @@ class Stepper:
         confirm: str | None,
         groups: tuple[GradGroups | NormGroups, ...],
         unscaled: torch.Tensor | None = None,
-        with_norm: bool = False,
+        norm_type: float | None = None,
     ) -> tuple[Ballot, Flags]:
-        """This rank's ballot, and the local checks' flags, its own skip slot first.
+        """This rank's ballot (with the norm slot where a `norm_type` travels), and the local
+        checks' flags, its own skip slot first.
 
-        It holds gradients where `unscale_`'s pending checks did. With `scale_policy="fit"`,
-        the bin just above the largest |scaled gradient| of `groups` (still scaled, or times
-        the scale where `unscaled` is it) and of the pending checks is raised.
+        It holds gradients where `unscale_`'s pending checks did. Its bins, where it has them,
+        add up those of `groups` (still scaled, or times the scale where `unscaled` is it) and
+        of the pending checks: element counts on the meter's steps, else (the fit's) the slot
+        holding the largest |scaled gradient|, raised. The meter's step waits where an inf-norm
+        travels (its shares need a MAX, the counts a SUM).
         """
+        every, inf_norm = self._meter_every, norm_type is not None and math.isinf(norm_type)
+        counts = bool(every) and book.step % every == 0 and not inf_norm and can_count(device)
         ballot = self.exchange.ballot(
             device,
             holds_grads=holds or book.pending.holds,
             has_scale=confirm is None,
             loss_nonfinite=book.loss_nonfinite,
-            with_norm=with_norm,
+            with_norm=norm_type is not None,
             bins=self.home.host.policy.fit,
+            counts=counts,
         )
         if ballot.bins is not None:
-            peaks = (self.kernels.amax(groups, device, unscaled), *book.pending.peaks)
-            peak = torch.stack([move(p, ballot.bins.device) for p in peaks]).amax()
-            exponent = torch.frexp(peak).exponent.clamp_(BIN_LOW, BIN_LOW + BINS - 1)  # peak < 2^e
-            slot = (exponent - BIN_LOW).long().reshape(1)
-            ballot.bins.index_put_((slot,), ((peak > 0) & (peak < torch.inf)).float())
+            parts = (self.kernels.bins(groups, device, unscaled, counts), *book.pending.bins)
+            added = torch.stack([move(b, ballot.bins.device) for b in parts]).sum(0)
+            ballot.bins.copy_(added if counts else added > 0)
         return ballot, {ballot.skip.device: ballot.skip}
 
     def _vote(

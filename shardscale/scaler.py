@@ -157,6 +157,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
             in the same one collective (one more read pass over them); overflows still back off
             (and widen the margin), and the floor, ceiling, hysteresis and forward-overflow hold
             apply as before (docs/scale-policies.md).
+        underflow_every: every this many steps, measure how much of the gradient sits below
+            fp16's normal range at the current scale: [`stats`][stats] `underflow` (the fraction
+            of the non-zero gradient elements whose scaled magnitude is below 2^-14: subnormal
+            in fp16, or flushed to zero) and `underflow_scale` (the lowest scale at which at most
+            0.1% would be), counted over every rank in the step's one collective, and logged
+            (INFO) where above 0.1%. Three kernels per gradient tensor on those steps, no host
+            read (docs/observability.md#underflow). 0: never. Default 100.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -183,6 +190,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         locate_overflow: bool = False,
         max_retries: int = 3,
         scale_policy: str = "interval",
+        underflow_every: int = 100,
     ) -> None:
         # every argument, by name: the config validates and normalises them
         config = ScalerConfig(**{name: value for name, value in locals().items() if name != "self"})
@@ -206,7 +214,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         self._home = ScaleHome(state)
         # The one owner of the process group and its collectives: the stepper's exchange.
         exchange = Exchange(config.process_group, config.sync_timeout)
-        self._stepper = Stepper(exchange, self._home, locate_overflow=config.locate_overflow)
+        self._stepper = Stepper(exchange, self._home, config)
         self._reporter = StepReporter(config.max_consecutive_skips)
         # The iteration under way; its step number, counted on the host too (the device counts
         # the steps for replayed graphs), names the step in messages without a read.
@@ -510,7 +518,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         manual = None if new_scale is None else policy.new_scale_tensor(new_scale)
         taken = book.step if verdict is not None else book.step - 1  # the steps taken so far
         if verdict is not None:
-            state.apply_(policy, verdict.flags, verdict.read is False, manual, verdict.peak)
+            state.apply_(policy, verdict, manual)
             self._reporter.push(state)
         elif manual is not None:
             state.scale.copy_(manual)

@@ -23,7 +23,9 @@ pass (the norm), one read+write pass and one scalar all-reduce. Each is timed pe
 of the two is the floor. Reported per candidate: the median time (the slowest rank's), its ratio
 to its floor, the collectives issued per step (counted by the profiler) and, on CUDA, the kernels
 launched per step. Candidates are timed in interleaved rounds, so drift on a shared machine falls
-on all of them alike.
+on all of them alike. One more row per optimizer kind, ours with ``underflow_every=1``, times a
+step of the underflow meter (by default one step in 100): the meter's cost is its difference
+from ours, over 100.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ WORKLOADS = {
     "b: 2M params / 400 tensors": (400, 5_000),
 }
 MODES = ("fresh", "kept")  # the default loop first
+METERED = "shardscale, a meter step (underflow_every=1)"
 Run = Callable[[], None]
 
 
@@ -139,6 +142,8 @@ def _scalers(device: torch.device) -> dict[str, Callable[[], Any]]:
     kwargs: dict[str, Any] = {"init_scale": 1.0, "growth_interval": 10**9}
     return {
         "shardscale.ShardedGradScaler": lambda: ShardedGradScaler(**kwargs),
+        # every step a step of the underflow meter (by default one step in 100 is): its cost
+        METERED: lambda: ShardedGradScaler(**kwargs, underflow_every=1),
         "torch.amp.GradScaler": lambda: torch.amp.GradScaler(device.type, **kwargs),
         "torch ShardedGradScaler": lambda: TorchShardedGradScaler(device.type, **kwargs),
     }

@@ -25,6 +25,7 @@ from torch import nn
 from shardscale import ShardedGradScaler
 
 FIT = {"scale_policy": "fit"}
+METER = {"underflow_every": 1}  # the underflow meter (its histc) on every step
 SYNC_CASES: dict[
     str, tuple[dict[str, Any], str | None] | tuple[dict[str, Any], str | None, Any]
 ] = {
@@ -38,6 +39,13 @@ SYNC_CASES: dict[
     ),
     'fused, scale_policy="fit": step + update': ({"fused": True}, None, FIT),
     'fused, scale_policy="fit": clip_grad_norm_ + step + update': ({"fused": True}, "clip", FIT),
+    "fused, every step metered: step + update": ({"fused": True}, None, METER),
+    "fused, every step metered: unscale_ + step + update": ({"fused": True}, "unscale", METER),
+    "fused, every step metered: clip_grad_norm_ + step + update": (
+        {"fused": True},
+        "clip",
+        METER,
+    ),
 }
 
 
@@ -119,7 +127,11 @@ def main() -> int:
         cases = {name: (lambda c=case: sync_case(*c)) for name, case in SYNC_CASES.items()}
     elif which == "graph":
         name = "fused + capturable: step + update captured, replayed clean and inf"
-        cases = {name: graph_case, f'{name}, scale_policy="fit"': lambda: graph_case(FIT)}
+        cases = {
+            name: graph_case,
+            f'{name}, scale_policy="fit"': lambda: graph_case(FIT),
+            f"{name}, every step metered": lambda: graph_case(METER),
+        }
     else:
         print(f"usage: {sys.argv[0]} sync|graph (got {which!r})", file=sys.stderr)
         return 2
