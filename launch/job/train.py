@@ -654,6 +654,10 @@ def summarise(
         "batches_dropped": stats.skipped_steps,  # a skipped step's batch is not trained on
         "forward_overflows": stats.forward_overflows,
         "retries": stats.retries,
+        # the underflow meter's last reading (every 100 steps by default; 0: none yet)
+        "underflow": stats.underflow,
+        "underflow_scale": stats.underflow_scale,
+        "underflow_step": stats.underflow_step,
         "retry": args.retry,
         "final_loss": history[-1]["loss"] if history else None,
         "eval_loss": eval_loss,
@@ -741,6 +745,13 @@ def _print_summary(summary: dict[str, Any]) -> None:
         ("final training loss", f"{summary['final_loss']:.4f}" if summary["final_loss"] else "-"),
         ("held-out loss", f"{summary['eval_loss']:.4f}" if summary["eval_loss"] else "-"),
         ("final scale", f"{summary['final_scale']:g}"),
+        (
+            "gradient underflow",
+            f"{summary['underflow']:.3%} of non-zero elements below 2^-14 at step "
+            f"{summary['underflow_step']} (at most 0.1% from scale {summary['underflow_scale']:g})"
+            if summary["underflow_step"]
+            else "- (not read yet: every 100 steps)",
+        ),
         (
             "world size",
             f"{summary['world_size']} ({summary['backend']}, {summary['parallel']}"
