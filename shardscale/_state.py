@@ -113,8 +113,7 @@ def _number(state_dict: Mapping[str, Any], key: str, kind: type[int] | type[floa
         value = value.item()
     if kind is int and isinstance(value, float) and value.is_integer():
         value = int(value)
-    name = f"state_dict[{key!r}]"
-    return check_int(name, value) if kind is int else check_real(name, value)
+    return (check_int if kind is int else check_real)(f"state_dict[{key!r}]", value)
 
 
 def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> ScalerState:
@@ -137,7 +136,13 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> Sca
             "from a disabled instance of GradScaler."
         )
     keys = set(state_dict)
-    version = _version(state_dict)
+    # the format version: its `format_version`, 0 without one
+    version = _number(state_dict, "format_version", int) if "format_version" in state_dict else 0
+    if version not in OUR_KEYS_BY_VERSION:
+        raise ValueError(
+            f"state_dict['format_version'] must be one of {sorted(OUR_KEYS_BY_VERSION)}, got "
+            f"{version}: a newer shardscale saved it"
+        )
     our_keys = OUR_KEYS_BY_VERSION[version]
     known = {*TORCH_KEYS, *our_keys}
     unknown = sorted(str(k) for k in keys - known)
@@ -168,7 +173,6 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> Sca
     growth_tracker = _number(state_dict, "_growth_tracker", int)
     if not math.isfinite(scale) or scale <= 0.0:
         raise ValueError(f"state_dict['scale'] must be finite and > 0, got {scale}")
-    counters = Counters()
     fit_state = {}  # an older format's: the margin and window start afresh
     hysteresis_tracker: int | None = None  # None: a torch state dict, the allowance starts full
     if ours:
@@ -176,9 +180,9 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> Sca
         policy_changes.update({k: _number(state_dict, k, kind) for k, kind in kinds.items()})
         policy_changes["dynamic"] = check_bool("state_dict['dynamic']", state_dict["dynamic"])
         hysteresis_tracker = _number(state_dict, "_hysteresis_tracker", int)
-        # counters an older format lacks start at 0
-        names = [f.name for f in fields(Counters) if f.name in keys]
-        counters = Counters(**{name: _number(state_dict, name, int) for name in names})
+    # counters an older format (or a torch state dict: none) lacks start at 0
+    names = [f.name for f in fields(Counters) if f.name in keys]
+    counters = Counters(**{name: _number(state_dict, name, int) for name in names})
     if version >= 3:
         name = check_choice("state_dict['scale_policy']", state_dict["scale_policy"])
         policy_changes["fit"] = name == "fit"
@@ -199,10 +203,9 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> Sca
             f"got consecutive_skips={counters.consecutive_skips}, "
             f"skipped_steps={counters.skipped_steps}, steps={counters.steps}"
         )
-    if not (
-        (counters.skipped_steps == 0 and counters.last_overflow_step == 0)
-        or (counters.skipped_steps > 0 and 1 <= counters.last_overflow_step <= counters.steps)
-    ):
+    # skipped_steps >= 0 here: the last overflow's step is 0 with no skip, else in [1, steps]
+    low, high = (0, 0) if counters.skipped_steps == 0 else (1, counters.steps)
+    if not low <= counters.last_overflow_step <= high:
         raise ValueError(
             "state_dict['last_overflow_step'] must be 0 when no step was skipped, else in "
             f"[1, steps]; got last_overflow_step={counters.last_overflow_step}, "
@@ -215,19 +218,6 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> Sca
             f"skipped_steps={counters.skipped_steps}, retries={counters.retries}"
         )
     return ScalerState(policy=policy, scale=scale_state, counters=counters)
-
-
-def _version(state_dict: Mapping[str, Any]) -> int:
-    """The format version of `state_dict`: its `format_version`, 0 without one."""
-    if "format_version" not in state_dict:
-        return 0
-    version: int = _number(state_dict, "format_version", int)
-    if version not in OUR_KEYS_BY_VERSION:
-        raise ValueError(
-            f"state_dict['format_version'] must be one of {sorted(OUR_KEYS_BY_VERSION)}, got "
-            f"{version}: a newer shardscale saved it"
-        )
-    return version
 
 
 # The slots of `DeviceState.counters` (`Counters`' fields; SINCE_OVERFLOW: steps since the last
