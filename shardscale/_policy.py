@@ -156,8 +156,7 @@ class ScalePolicy:
     dynamic: bool = True
     """False: the scale never changes (the bf16 guard); non-finite steps are still skipped."""
     fit: bool = False
-    """True: a clean step's scale fits the recent gradients (module docstring), not the
-    interval."""
+    """True: a clean step's scale fits the recent gradients (module docstring), not the interval."""
 
     def __post_init__(self) -> None:
         growth_factor = check_real("growth_factor", self.growth_factor)
@@ -230,10 +229,9 @@ class ScalePolicy:
             )
         if not 0 <= state.margin <= FIT_MAX_MARGIN:
             raise ValueError(f"_fit_margin must be in [0, {FIT_MAX_MARGIN}], got {state.margin}")
-        window = state.window
-        if len(window) != FIT_WINDOW or not all(0 <= v < math.inf for v in window):
+        if len(state.window) != FIT_WINDOW or not all(0 <= v < math.inf for v in state.window):
             raise ValueError(
-                f"_fit_window must be {FIT_WINDOW} finite numbers >= 0, got {list(window)}"
+                f"_fit_window must be {FIT_WINDOW} finite numbers >= 0, got {list(state.window)}"
             )
 
     def initial_state(self, init_scale: float) -> ScaleState:
@@ -337,8 +335,7 @@ class ScalePolicy:
         """Back the scale off once, now, whatever the hysteresis allows (a retried step's
         gradients overflowed: the same scale would overflow again): floor held, growth
         tracker zeroed. For a dynamic scale (the caller checks)."""
-        one = torch.ones((), dtype=torch.float32, device=scale.device)
-        self._torch_update_(scale, growth_tracker, one)
+        self._torch_update_(scale, growth_tracker, torch.ones_like(scale))
 
     def _torch_update_(
         self,
