@@ -103,8 +103,7 @@ def state_of(record: OptimizerRecord) -> ReadOnlyDict:
 
 def found_inf_per_device(verdict: Verdict | None) -> ReadOnlyDict:
     """`{device: agreed flag}` of `verdict`, as torch's states hold it (empty for None)."""
-    flags = {} if verdict is None else {verdict.found_inf.device: verdict.found_inf}
-    return ReadOnlyDict(flags)
+    return ReadOnlyDict({} if verdict is None else {verdict.found_inf.device: verdict.found_inf})
 
 
 def unscale_grads(

@@ -485,9 +485,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 "or all of them before any unscale_()"
             )
         scaled = not (done and ids <= done)  # else unscale_() ran for these: clip them as they are
-        scale = self._loss_scale("clip_grad_norm_", params)
         clip = Clip(params, max_norm, norm_type, replicas, scaled)
-        verdict = self._stepper.clip(book, scale, clip)
+        verdict = self._stepper.clip(book, self._loss_scale("clip_grad_norm_", params), clip)
         if scaled:
             book.clipped = Clipped(param_ids=ids, verdict=verdict)
         return cast(torch.Tensor, verdict.total_norm)
@@ -639,8 +638,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if not self._enabled or self._stepper.exchange.world_size == 1:
             return
         fields = to_state_dict(self._home.read())
-        window = fields.pop("_fit_window")  # as numbers: the window's, and the policy's
-        fields |= {f"_fit_window[{i}]": v for i, v in enumerate(window)}
+        # as numbers: the window's, and the policy's
+        fields |= {f"_fit_window[{i}]": v for i, v in enumerate(fields.pop("_fit_window"))}
         fields["scale_policy"] = fields["scale_policy"] == "fit"
         values = torch.tensor([float(v) for v in fields.values()], dtype=torch.float64)
         device = self._home.device.scale.device if self._home.device is not None else values.device
@@ -833,7 +832,6 @@ class ShardedGradScaler(torch.amp.GradScaler):
         (with our `_per_optimizer_states`, the agreed flag: every rank alike)."""
         if not any(bool(flag.item()) for flag in optimizer_state["found_inf_per_device"].values()):
             return optimizer.step(*args, **kwargs)
-        return None
 
     def _step_passing_itself(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
