@@ -70,8 +70,7 @@ def on_device(device: torch.device) -> AbstractContextManager[object]:
     """
     if device.type in ("cpu", "meta") or device.index is None:
         return nullcontext()
-    module = torch.get_device_module(device.type)
-    select = getattr(module, "device", None)
+    select = getattr(torch.get_device_module(device.type), "device", None)
     return nullcontext() if select is None else select(device.index)
 
 
@@ -174,9 +173,7 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         group = Exchange(
             kwargs.get("process_group"), timeout_option("sync_timeout", kwargs.get("sync_timeout"))
         ).dedicated(flag_backend)
-        super().__init__(
-            device, **(kwargs if group is None else {**kwargs, "process_group": group})
-        )
+        super().__init__(device, **kwargs | ({} if group is None else {"process_group": group}))
         self._step_timeout = timeout.total_seconds()
         self._own_group = group is not None
         self._lock = threading.Condition()
@@ -270,14 +267,13 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         waits for its outcome (a later `scale()`)."""
         with self._lock:
             for leaf in leaves(optimizer):
-                if self._optimizer_id is None:
-                    self._optimizer_id = id(leaf)
-                elif self._optimizer_id != id(leaf):
+                if self._optimizer_id not in (None, id(leaf)):
                     raise ValueError(
                         "AsyncShardedGradScaler serves one optimizer, and got a second one: its "
                         "step is what completes an iteration. Use one optimizer (with several "
                         "param groups), or one scaler per optimizer"
                     )
+                self._optimizer_id = id(leaf)
             iteration = next((it for it in self._iterations if not it.stepped), None)
             if iteration is None:
                 raise RuntimeError(
