@@ -51,21 +51,19 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
         CheckpointUnreadable: `path` holds no readable DCP checkpoint.
     """
     if not (path / ".metadata").is_file() and path.is_dir():  # a folder of them: the newest
-        complete = sorted(p for p in path.iterdir() if (p / ".metadata").is_file())
-        path = complete[-1] if complete else path
+        path = max((p for p in path.iterdir() if (p / ".metadata").is_file()), default=path)
     if not (path / ".metadata").is_file():
         raise CheckpointUnreadable(f"{path} is not a checkpoint: {path / '.metadata'} is missing")
     try:
         metadata = FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as error:
         raise CheckpointUnreadable(f"cannot read {path / '.metadata'}: {error}") from error
-    names = list(metadata)
     prefixes = sorted(
-        {name.rsplit(".", 1)[0] for name in names if name.endswith(".scale")}
-        & {name.rsplit(".", 1)[0] for name in names if name.endswith("._growth_tracker")}
+        {name.rsplit(".", 1)[0] for name in metadata if name.endswith(".scale")}
+        & {name.rsplit(".", 1)[0] for name in metadata if name.endswith("._growth_tracker")}
     )
-    scaler_keys = [f"{p}.{k}" for p in prefixes for k in _KEYS if f"{p}.{k}" in names]
-    matches = [m for m in map(_STEP_COUNTER.match, names) if m is not None]
+    scaler_keys = [f"{p}.{k}" for p in prefixes for k in _KEYS if f"{p}.{k}" in metadata]
+    matches = [m for m in map(_STEP_COUNTER.match, metadata) if m is not None]
     try:  # load only these keys (None: a pickled object, which DCP puts in place)
         values: dict[str, Any] = dict.fromkeys(scaler_keys + [m.string for m in matches])
         for key in values:
@@ -136,8 +134,7 @@ def _report(found: dict[str, Any]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardscale", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    inspect = commands.add_parser(
+    inspect = parser.add_subparsers(dest="command", required=True).add_parser(
         "inspect", help="print the scaler state in a DCP checkpoint and check its step counters"
     )
     inspect.add_argument(
