@@ -80,13 +80,11 @@ class ScalerConfig:
         self.policy().initial_state(self.first_scale())  # the policy's settings, init_scale
 
     def policy(self) -> ScalePolicy:
-        """The scale policy these options describe."""
+        """The scale policy these options describe (the settings of the same names, and
+        `max_scale`, `dynamic` and `scale_policy`)."""
+        names = ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale")
         return ScalePolicy(
-            growth_factor=self.growth_factor,
-            backoff_factor=self.backoff_factor,
-            growth_interval=self.growth_interval,
-            hysteresis=self.hysteresis,
-            min_scale=self.min_scale,
+            **{name: getattr(self, name) for name in names},
             max_scale=math.inf if self.max_scale is None else self.max_scale,
             dynamic=self.dynamic,
             fit=self.scale_policy == "fit",

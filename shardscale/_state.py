@@ -89,15 +89,11 @@ def to_state_dict(state: ScalerState) -> dict[str, Any]:
     policy = state.policy
     return {
         "scale": state.scale.scale,
-        "growth_factor": policy.growth_factor,
-        "backoff_factor": policy.backoff_factor,
-        "growth_interval": policy.growth_interval,
+        **{k: getattr(policy, k) for k in ("growth_factor", "backoff_factor", "growth_interval")},
         "_growth_tracker": state.scale.growth_tracker,
         "hysteresis": policy.hysteresis,
         "_hysteresis_tracker": state.scale.hysteresis_tracker,
-        "min_scale": policy.min_scale,
-        "max_scale": policy.max_scale,
-        "dynamic": policy.dynamic,
+        **{k: getattr(policy, k) for k in ("min_scale", "max_scale", "dynamic")},
         **{f.name: getattr(state.counters, f.name) for f in fields(Counters)},
         "format_version": FORMAT_VERSION,
         "scale_policy": SCALE_POLICIES[policy.fit],
