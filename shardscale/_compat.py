@@ -24,7 +24,6 @@ from shardscale._check import Flags, Kernels
 from shardscale._exchange import Verdict
 from shardscale._grads import GradWalk
 from shardscale._stepping import IterationBook, OptimizerRecord, optimizer_params
-from shardscale._torch import no_torch_function_subclass
 
 GRAD_SCALER_WARNING = (
     "GradScaler is going to stop passing itself as a keyword argument to the passed "
@@ -130,11 +129,8 @@ def unscale_grads(
         ValueError: `allow_fp16` is False and a gradient is float16 (torch's words).
     """
     params = tuple(optimizer_params(optimizer))
-    if not allow_fp16:
-        with no_torch_function_subclass():
-            grads = [p.grad for p in params]
-        if any(g is not None and g.dtype == torch.float16 for g in grads):
-            raise ValueError("Attempting to unscale FP16 gradients.")
+    if not allow_fp16 and any(p.grad is not None and p.grad.dtype == torch.float16 for p in params):
+        raise ValueError("Attempting to unscale FP16 gradients.")
     with torch.no_grad():
         groups, _plain, _holds = GradWalk().groups(params)
         flags: Flags = {found_inf.device: found_inf}
