@@ -37,8 +37,8 @@ from shardscale._torch import check_and_unscale_, foreach_norm
 
 Groups = GradGroups | NormGroups
 Tensor = torch.Tensor
+# One float32 scalar per device holding gradients: 1.0 where any element was non-finite.
 Flags = dict[torch.device, torch.Tensor]
-"""One float32 scalar per device holding gradients: 1.0 where any element was non-finite."""
 
 _CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 _DTYPE = operator.itemgetter(1)

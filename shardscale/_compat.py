@@ -25,12 +25,12 @@ from shardscale._exchange import Verdict
 from shardscale._grads import GradWalk
 from shardscale._stepping import IterationBook, OptimizerRecord, optimizer_params
 
+# torch's FutureWarning, word for word, for optimizers whose step() takes `grad_scaler`.
 GRAD_SCALER_WARNING = (
     "GradScaler is going to stop passing itself as a keyword argument to the passed "
     "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
     "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly."
 )
-"""torch's FutureWarning, word for word, for optimizers whose step() takes `grad_scaler`."""
 
 _READ_ONLY = (
     "scaler._per_optimizer_states is a read-only view of shardscale's agreed state (the flag "

@@ -72,9 +72,9 @@ _NO_GRADS = (
     "No inf checks were recorded for this optimizer: none of its parameters has a gradient "
     "on any of the {world_size} rank(s). Call scaler.scale(loss).backward() before step()."
 )
+# A backend reporting a timeout: gloo's "Timed out waiting", NCCL's "Watchdog caught collective
+# operation timeout" (not the "Timeout(ms)=..." NCCL prints in every work's name).
 _TIMED_OUT = re.compile(r"timed out|timeout(?!\s*\(ms\))", re.IGNORECASE)
-"""A backend reporting a timeout: gloo's "Timed out waiting", NCCL's "Watchdog caught collective
-operation timeout" (not the "Timeout(ms)=..." NCCL prints in every work's name)."""
 _BROKEN = re.compile(r"connection (reset|closed|refused)|broken pipe", re.IGNORECASE)
 
 
@@ -82,8 +82,8 @@ _BROKEN = re.compile(r"connection (reset|closed|refused)|broken pipe", re.IGNORE
 # `Verdict`, its skip and forward-overflow slots: `verdict.flags[Flag.SKIP]`.
 Slot = IntEnum("Slot", "HOLDS SKIP FORWARD SCALED NORM", start=0)
 Flag = IntEnum("Flag", "SKIP FORWARD", start=0)
+# The ballot's bins for `scale_policy="fit"` and the meter: 2^-63 ... 2^64 (see the module).
 BINS, BIN_LOW = 128, -63
-"""The ballot's bins for `scale_policy="fit"` and the meter: 2^-63 ... 2^64 (see the module)."""
 # fp16's smallest normal magnitude (a scaled gradient below it is subnormal in fp16, or flushed
 # to zero), and the meter's target: the fraction of the non-zero elements allowed below it.
 UNDERFLOW_BELOW, UNDERFLOW_TARGET = 2.0**-14, 1e-3
@@ -91,44 +91,52 @@ UNDERFLOW_BELOW, UNDERFLOW_TARGET = 2.0**-14, 1e-3
 
 @dataclass(frozen=True, slots=True)
 class Ballot:
-    """What this rank puts into the collective (see the module)."""
+    """What this rank puts into the collective (see the module).
+
+    Attributes:
+        device: The scale's device, where the verdict is returned (the tensor is on the group's
+            communication device for it).
+        holds_grads: What the holds slot says, known on the host (a rank without gradients reads the
+            result).
+        skip: The skip slot (a view): the local check raises it for gradients on the ballot's
+            device, so their flag costs no kernel of its own.
+        norm: The norm slot (a view), where this rank's share of the gradient norm goes; None
+            without one.
+        loss_checked: Whether a loss's finiteness went into the forward-overflow slot.
+        bins: The bins (a view; module docstring), where `scale_policy="fit"` or the meter wants
+            them.
+        counts: Whether the bins hold the meter's element counts, which travel in a SUM.
+    """
 
     tensor: torch.Tensor
     device: torch.device
-    """The scale's device, where the verdict is returned (the tensor is on the group's
-    communication device for it)."""
     holds_grads: bool
-    """What the holds slot says, known on the host (a rank without gradients reads the result)."""
     skip: torch.Tensor
-    """The skip slot (a view): the local check raises it for gradients on the ballot's device,
-    so their flag costs no kernel of its own."""
     norm: torch.Tensor | None = None
-    """The norm slot (a view), where this rank's share of the gradient norm goes; None without
-    one."""
     loss_checked: bool = False
-    """Whether a loss's finiteness went into the forward-overflow slot."""
     bins: torch.Tensor | None = None
-    """The bins (a view; module docstring), where `scale_policy="fit"` or the meter wants them."""
     counts: bool = False
-    """Whether the bins hold the meter's element counts, which travel in a SUM."""
 
 
 @dataclass(slots=True, eq=False)
 class Verdict:
-    """What the group agreed on, identical on every rank."""
+    """What the group agreed on, identical on every rank.
+
+    Attributes:
+        flags: float32 `[skip, forward overflow]` on the scale's device, each exactly 0.0 or 1.0.
+        total_norm: The global gradient norm (float32 scalar), when one was exchanged; non-finite on
+            every rank when any rank's gradients overflowed.
+        read: What [`skipped()`][skipped] read on the host; None: not read (a fused step's verdict).
+        peak: The power of two just above the group's largest |scaled gradient| (float32 scalar; 0
+            where none was finite and non-zero), where the bins travelled.
+        counts: The group's non-zero |scaled gradient| elements by bin (float32; the meter's steps).
+    """
 
     flags: torch.Tensor
-    """float32 `[skip, forward overflow]` on the scale's device, each exactly 0.0 or 1.0."""
     total_norm: torch.Tensor | None = None
-    """The global gradient norm (float32 scalar), when one was exchanged; non-finite on every
-    rank when any rank's gradients overflowed."""
     read: bool | None = None
-    """What [`skipped()`][skipped] read on the host; None: not read (a fused step's verdict)."""
     peak: torch.Tensor | None = None
-    """The power of two just above the group's largest |scaled gradient| (float32 scalar; 0
-    where none was finite and non-zero), where the bins travelled."""
     counts: torch.Tensor | None = None
-    """The group's non-zero |scaled gradient| elements by bin (float32; the meter's steps)."""
 
     @property
     def found_inf(self) -> torch.Tensor:

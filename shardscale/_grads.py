@@ -50,10 +50,10 @@ from shardscale._torch import (
     sparse_values,
 )
 
+# Local gradient tensors keyed by (device, dtype): one fused kernel call per key.
 GradGroups = dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
-"""Local gradient tensors keyed by (device, dtype): one fused kernel call per key."""
+# Local gradients by (device, dtype, replica count): one norm and one weight per key.
 NormGroups = dict[tuple[torch.device, torch.dtype, int], list[torch.Tensor]]
-"""Local gradients by (device, dtype, replica count): one norm and one weight per key."""
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _GRAD = operator.attrgetter("grad")

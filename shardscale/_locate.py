@@ -32,11 +32,11 @@ from shardscale._exchange import UNDERFLOW_BELOW, Exchange, timeout_option
 from shardscale._grads import original_slices
 from shardscale._policy import check_real
 
+# The library's logger: INFO per skipped step (rate-limited), WARNING for located overflows.
 logger = logging.getLogger("shardscale")
-"""The library's logger: INFO per skipped step (rate-limited), WARNING for located overflows."""
 
+# The name of a located non-finite loss (a forward overflow), not a parameter's.
 LOSS = "<loss>"
-"""The name of a located non-finite loss (a forward overflow), not a parameter's."""
 
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 _DDP_PREFIX = "module."
@@ -118,7 +118,10 @@ def locate(
     return [record for records in gathered for record in cast(list[NonFiniteGrad], records)]
 
 
-def _pieces(named_params: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+Pieces = list[tuple[str, torch.Tensor]]  # (original name, local gradient elements)
+
+
+def _pieces(named_params: Iterable[tuple[str, torch.Tensor]]) -> Pieces:
     """`(original name, local gradient elements)` of each original parameter holding some."""
     pieces = [
         (clean_name(piece), values)
@@ -128,9 +131,7 @@ def _pieces(named_params: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str,
     return [(name, values) for name, values in pieces if values.numel() > 0]
 
 
-def _counts(
-    pieces: list[tuple[str, torch.Tensor]], measure: Callable[[torch.Tensor], torch.Tensor]
-) -> list[list[int]]:
+def _counts(pieces: Pieces, measure: Callable[[torch.Tensor], torch.Tensor]) -> list[list[int]]:
     """`measure(values)` (a 1-D tensor of counts) of each piece: counted where it lives, one host
     transfer per device."""
     by_device: dict[torch.device, list[int]] = {}

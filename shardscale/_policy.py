@@ -97,15 +97,15 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
+# Steps whose gradients the fitted scale keeps in view.
 FIT_WINDOW = 16
-"""Steps whose gradients the fitted scale keeps in view."""
+# Bits kept below fp16's range at first (`fit`); one more per overflow the window allowed.
 FIT_MARGIN = 0
-"""Bits kept below fp16's range at first (`fit`); one more per overflow the window allowed."""
 FIT_MAX_MARGIN = 8
 
 
+# `scale_policy`'s values: torch's growth after an interval, or the scale that fits.
 SCALE_POLICIES = ("interval", "fit")
-"""`scale_policy`'s values: torch's growth after an interval, or the scale that fits."""
 
 
 def check_choice(name: str, value: object, choices: tuple[str, ...] = SCALE_POLICIES) -> str:

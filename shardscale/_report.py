@@ -33,12 +33,12 @@ from shardscale._locate import logger
 from shardscale._policy import ScalePolicy
 from shardscale._state import Count, Counters, DeviceState, unpack
 
-_UNDERFLOW_MESSAGE = (
-    "step %d: %.3g%% of the non-zero gradient elements were below fp16's normal range (2^-14) "
-    "at its scale; from a scale of %g, at most %g%% would be"
-)
+# The meter's log line, above its target (logging's %-arguments: formatted only when logged).
+_UNDERFLOW_MESSAGE = "step %d: %.3g%% of the non-zero gradient elements were below fp16's normal "
+_UNDERFLOW_MESSAGE += "range (2^-14) at its scale; from a scale of %g, at most %g%% would be"
+
+# At most one skipped-step message per this many seconds; the next one counts the rest.
 LOG_INTERVAL_S = 10.0
-"""At most one skipped-step message per this many seconds; the next one counts the rest."""
 
 # Device types whose stats are copied without waiting, under a CUDA event. "meta" is the CPU
 # suite's stand-in for a GPU (its tests replace torch.cuda's events and streams with recorders),

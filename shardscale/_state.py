@@ -41,38 +41,43 @@ from shardscale._policy import (
     check_real,
 )
 
+# The version `state_dict()` writes.
 FORMAT_VERSION = 3
-"""The version `state_dict()` writes."""
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 _POLICY_KEYS = ("hysteresis", "_hysteresis_tracker", "min_scale", "max_scale", "dynamic")
 _V0_KEYS = (*_POLICY_KEYS, "steps", "skipped_steps", "consecutive_skips", "last_overflow_step")
 _V1_KEYS = (*_V0_KEYS, "format_version")
+# Our keys in each format version: all of them, or none (a torch state dict).
 OUR_KEYS_BY_VERSION: dict[int, tuple[str, ...]] = {
     0: _V0_KEYS,
     1: _V1_KEYS,
     2: (*_V1_KEYS, "forward_overflows", "retries"),
     3: (*_V1_KEYS, "forward_overflows", "retries", "scale_policy", "_fit_margin", "_fit_window"),
 }
-"""Our keys in each format version: all of them, or none (a torch state dict)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Counters:
-    """How many steps the scaler has seen, skipped and retried."""
+    """How many steps the scaler has seen, skipped and retried.
+
+    Attributes:
+        steps: `update()` calls that consumed a step's overflow check.
+        skipped_steps: Of those, the steps skipped because some rank overflowed (gradients or loss).
+        consecutive_skips: Skipped steps since the last step taken.
+        last_overflow_step: The number (1-based) of the last skipped step; 0 if none was skipped.
+        forward_overflows: Of the skipped steps, those whose loss was non-finite on some rank (the
+            scale held).
+        retries: Times `step(closure=...)` backed off and ran a batch again after a gradient
+            overflow.
+    """
 
     steps: int = 0
-    """`update()` calls that consumed a step's overflow check."""
     skipped_steps: int = 0
-    """Of those, the steps skipped because some rank overflowed (gradients or loss)."""
     consecutive_skips: int = 0
-    """Skipped steps since the last step taken."""
     last_overflow_step: int = 0
-    """The number (1-based) of the last skipped step; 0 if none was skipped."""
     forward_overflows: int = 0
-    """Of the skipped steps, those whose loss was non-finite on some rank (the scale held)."""
     retries: int = 0
-    """Times `step(closure=...)` backed off and ran a batch again after a gradient overflow."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,24 +253,27 @@ class DeviceState:
     Kept on the device so that `update()` needs no host synchronisation, and counted there, not
     on the host, so that the counts stay right when step+update is replayed from a CUDA graph;
     read back to host values only for `state_dict()`, `stats` and `get_scale()`.
+
+    Attributes:
+        scale: float32 scalar.
+        growth_tracker: int32 scalar.
+        hysteresis_tracker: int32 scalar.
+        counters: float64, by `Count`: `[steps, skipped_steps, consecutive_skips, steps since the
+            last overflow, forward_overflows, retries]` (exact to 2**53). Steps since the last
+            overflow rather than its step number, because it updates with the same multiply-add as
+            the others.
+        count_terms: `_COUNT_TERMS` on this device (float32, 3 x 14: the base, then the slopes).
+        fit: float32 `[margin, window...]` of the `fit` policy (`ScaleState`'s).
+        meter: float64 `[step, fraction, scale]`: the meter's last reading (`_meter_`; zeros: none).
     """
 
     scale: torch.Tensor
-    """float32 scalar."""
     growth_tracker: torch.Tensor
-    """int32 scalar."""
     hysteresis_tracker: torch.Tensor
-    """int32 scalar."""
     counters: torch.Tensor
-    """float64, by `Count`: `[steps, skipped_steps, consecutive_skips, steps since the
-    last overflow, forward_overflows, retries]` (exact to 2**53). Steps since the last overflow
-    rather than its step number, because it updates with the same multiply-add as the others."""
     count_terms: torch.Tensor
-    """`_COUNT_TERMS` on this device (float32, 3 x 14: the base, then the slopes)."""
     fit: torch.Tensor
-    """float32 `[margin, window...]` of the `fit` policy (`ScaleState`'s)."""
     meter: torch.Tensor
-    """float64 `[step, fraction, scale]`: the meter's last reading (`_meter_`; zeros: none)."""
 
     @classmethod
     def create(cls, state: ScalerState, device: torch.device) -> DeviceState:

@@ -44,8 +44,8 @@ from shardscale._locate import NonFiniteGrad, locate, log_located, optimizer_nam
 from shardscale._state import ScaleHome
 from shardscale._torch import in_pipeline_shape_inference, no_torch_function_subclass
 
+# What `unscale_`/`step` accept: an optimizer (or a container of several), or a list.
 OptimizerTarget: TypeAlias = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
-"""What `unscale_`/`step` accept: an optimizer (or a container of several), or a list."""
 
 _CONTAINER_ATTRIBUTES = ("optimizers", "chained_optimizers")
 _OPTIMIZER = operator.attrgetter("optimizer")
@@ -75,28 +75,35 @@ class Clipped:
 
 @dataclass(frozen=True, slots=True)
 class Clip:
-    """What `clip_grad_norm_` asks of an agreement."""
+    """What `clip_grad_norm_` asks of an agreement.
+
+    Attributes:
+        replicas: How many ranks hold the same plain (non-DTensor) gradients (`replica_group`).
+        scaled: Whether the gradients still carry the scale (False: `unscale_()` divided it out).
+    """
 
     params: list[torch.Tensor]
     max_norm: float
     norm_type: float
     replicas: int
-    """How many ranks hold the same plain (non-DTensor) gradients (`replica_group`)."""
     scaled: bool = True
-    """Whether the gradients still carry the scale (False: `unscale_()` divided it out)."""
 
 
 @dataclass(slots=True)
 class PendingCheck:
     """Gradients `unscale_()` checked and unscaled locally, whose flags await the agreement
     (the next `step`, `clip_grad_norm_` or `update`), so `unscale_` + clip + step still cost
-    one collective."""
+    one collective.
+
+    Attributes:
+        bins: Their bins (`scale_policy="fit"`, the meter's steps: `Kernels.bins`), before the
+            unscale.
+    """
 
     records: list[OptimizerRecord] = field(default_factory=list)
     flags: list[torch.Tensor] = field(default_factory=list)
     holds: bool = False
     bins: list[torch.Tensor] = field(default_factory=list)
-    """Their bins (`scale_policy="fit"`, the meter's steps: `Kernels.bins`), before the unscale."""
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
@@ -185,22 +192,25 @@ def combined(records: Iterable[OptimizerRecord]) -> Verdict | None:
 
 @dataclass(slots=True)
 class IterationBook:
-    """The records of one iteration (module docstring)."""
+    """The records of one iteration (module docstring).
+
+    Attributes:
+        step: The number (1-based) of the step this iteration takes; error messages name it.
+        loss_scale: The scale this iteration's losses were multiplied by, a copy of the live one
+            made at its first `scale()` (None: not yet, or never on this rank: a pipeline stage that
+            computes no loss, which takes the live one); its gradients are divided by exactly this.
+        loss_nonfinite: bool scalar: some loss `scale()` multiplied in this iteration was inf or NaN
+            (None: none was scaled on this rank).
+        losses: The losses themselves (detached), kept only to locate a forward overflow.
+    """
 
     step: int
-    """The number (1-based) of the step this iteration takes; error messages name it."""
     loss_scale: torch.Tensor | None = None
-    """The scale this iteration's losses were multiplied by, a copy of the live one made at its
-    first `scale()` (None: not yet, or never on this rank: a pipeline stage that computes no
-    loss, which takes the live one); its gradients are divided by exactly this."""
     records: dict[int, OptimizerRecord] = field(default_factory=dict)
     clipped: Clipped | None = None
     pending: PendingCheck = field(default_factory=PendingCheck)
     loss_nonfinite: torch.Tensor | None = None
-    """bool scalar: some loss `scale()` multiplied in this iteration was inf or NaN (None: none
-    was scaled on this rank)."""
     losses: list[torch.Tensor] = field(default_factory=list)
-    """The losses themselves (detached), kept only to locate a forward overflow."""
 
     def note_loss(self, loss: torch.Tensor, keep: bool, into: torch.Tensor | None) -> None:
         """Remember on the device whether `loss` is finite: two kernels (a third for a loss of

@@ -16,25 +16,25 @@ import torch
 import torch.distributed as dist
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
+# The torch releases every name below was checked on (the suite, whole, on each).
 CHECKED_ON = ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0")
-"""The torch releases every name below was checked on (the suite, whole, on each)."""
 
+# A DTensor's local shard: what `to_local()` returns, without its autograd function.
 local_tensor = operator.attrgetter("_local_tensor")
-"""A DTensor's local shard: what `to_local()` returns, without its autograd function."""
+# A DTensor's sharding spec: FSDP2 hands each step's gradient its parameter's one spec object.
 dtensor_spec = operator.attrgetter("_spec")
-"""A DTensor's sharding spec: FSDP2 hands each step's gradient its parameter's one spec object."""
+# A sparse COO tensor's values, duplicates included (`values()` refuses uncoalesced ones).
 sparse_values = operator.methodcaller("_values")
-"""A sparse COO tensor's values, duplicates included (`values()` refuses uncoalesced ones)."""
+# torch's grouping for its foreach kernels: `{(device, dtype): (tensors, indices)}`.
 group_by_device_and_dtype = _group_tensors_by_device_and_dtype
-"""torch's grouping for its foreach kernels: `{(device, dtype): (tensors, indices)}`."""
+# A context in which a DTensor's attributes read as a plain tensor's (no `__torch_function__`).
 no_torch_function_subclass = torch._C.DisableTorchFunctionSubclass
-"""A context in which a DTensor's attributes read as a plain tensor's (no `__torch_function__`)."""
+# torch's fused check and unscale: raises a flag where an element is inf/NaN, multiplies.
 check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
-"""torch's fused check and unscale: raises a flag where an element is inf/NaN, multiplies."""
+# torch's scale update kernel: back off on a flag, grow after the interval.
 update_scale_ = torch._amp_update_scale_
-"""torch's scale update kernel: back off on a flag, grow after the interval."""
+# One norm per tensor, in one kernel per (device, dtype) group, in a dtype asked for.
 foreach_norm = torch._foreach_norm
-"""One norm per tensor, in one kernel per (device, dtype) group, in a dtype asked for."""
 
 
 def group_device_types(group: dist.ProcessGroup) -> list[str]:

@@ -76,17 +76,20 @@ def on_device(device: torch.device) -> AbstractContextManager[object]:
 
 @dataclass(eq=False, slots=True)
 class _Iteration:
-    """One iteration, from its first `scale()` until it is stepped and its update applied."""
+    """One iteration, from its first `scale()` until it is stepped and its update applied.
+
+    Attributes:
+        device: The first loss's device, where its scale lives (the optimizer thread runs under it).
+        closed: update() was called for it.
+        agreed: Its flag was agreed (inside its step).
+        resolved: Its update was applied.
+    """
 
     number: int
     device: torch.device
-    """The first loss's device, where its scale lives (the optimizer thread runs under it)."""
     closed: bool = False
-    """update() was called for it."""
     agreed: bool = False
-    """Its flag was agreed (inside its step)."""
     resolved: bool = False
-    """Its update was applied."""
     stepped: bool = False
     manual_scale: torch.Tensor | None = None
     failure: BaseException | None = None
