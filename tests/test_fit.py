@@ -281,6 +281,12 @@ def test_policies_bench_runs_and_the_fit_arrives_from_a_cold_start(tmp_path: Any
         "arrived": True,
     }
     assert not rows["torch.amp.GradScaler"]["cold_1"]["arrived"]
+    # ours read the underflow meter at each probe, beside the script's own fp32 count: the
+    # step's fp16 backward against an fp32 one, so close, not equal
+    for name in ("shardscale (default)", 'shardscale, scale_policy="fit"'):
+        assert rows[name]["meter_mean"] is not None
+        assert rows[name]["meter_max_gap"] < 0.01
+    assert rows["torch.amp.GradScaler"]["meter_mean"] is None
 
 
 def test_fit_resumes_through_dcp_at_another_world_size_and_the_ranks_agree(tmp_path: Any) -> None:

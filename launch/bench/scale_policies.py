@@ -26,7 +26,9 @@ backwards at 2^40, 2^39, ... until all are finite (outside training). Three runs
    gradient elements that are non-zero in an fp32 backward and zero in the fp16 backward at the
    policy's scale (same weights, same batch; every 10th step of the recovery), and that are
    below fp16's normal range (2^-14) once scaled (the bottom of the range, where precision
-   thins out before the flush);
+   thins out before the flush), beside what ours read from their underflow meter on that step
+   (`stats.underflow`: the step's own fp16 backward, every rank's non-zero elements; ours run
+   with `underflow_every=1` here, the default being 100);
 2. **cold start at 1**, and 3. **cold start at 2^32**: steps and skips until within 2x of the
    working scale of the starting weights (`--recover` steps at most).
 
@@ -76,9 +78,11 @@ POLICIES: dict[str, tuple[Callable[[float], Scaler], int]] = {
         lambda s: ShardedGradScaler(init_scale=s, growth_interval=1000, hysteresis=2),
         1000,
     ),
-    "shardscale (default)": (lambda s: ShardedGradScaler(init_scale=s), 2000),
+    # ours read the underflow meter every step here (by default every 100th), so that its
+    # reading stands beside this script's own fp32 count at every probe
+    "shardscale (default)": (lambda s: ShardedGradScaler(init_scale=s, underflow_every=1), 2000),
     'shardscale, scale_policy="fit"': (
-        lambda s: ShardedGradScaler(init_scale=s, scale_policy="fit"),
+        lambda s: ShardedGradScaler(init_scale=s, scale_policy="fit", underflow_every=1),
         2000,
     ),
 }
@@ -169,8 +173,9 @@ def train(
             probes = [batch(step + k, rank, teacher) for k in range(PROBE_BATCHES)]
             working_at_shrink = working_scale(model, probes, factor)
         scale = scaler.get_scale() if scaler is not None else 1.0
-        if scaler is not None and shrunk and (step - shrink_at) % 10 == 0:  # type: ignore[operator]
-            flushed.append((step, *underflow(model, inputs, targets, factor * scale)))
+        probe = scaler is not None and shrunk and (step - shrink_at) % 10 == 0  # type: ignore[operator]
+        if probe:
+            flushed.append([step, *underflow(model, inputs, targets, factor * scale), None])
         optimizer.zero_grad()
         loss = loss_of(ddp, inputs, targets, scaler is not None)
         before = _steps_taken(optimizer)
@@ -181,6 +186,9 @@ def train(
             scaler.scale(loss * factor).backward()
             scaler.step(optimizer)
             scaler.update()
+            stats = getattr(scaler, "stats", None)  # ours: the meter read this very step
+            if probe and stats is not None and stats.underflow_step == stats.steps:
+                flushed[-1][-1] = stats.underflow
         scales.append(scale)
         skipped.append(_steps_taken(optimizer) == before)
         losses.append(float(loss.detach()))
@@ -257,8 +265,9 @@ def main() -> None:
         first_skips = sum(main_run["skipped"][:warm])
         steady_skips = sum(main_run["skipped"][warm : args.steady]) * 1000 / (args.steady - warm)
         final = sum(main_run["losses"][-100:]) / len(main_run["losses"][-100:])
-        flushed = [f for _, f, _ in main_run["flushed"]]
-        subnormal = [f for _, _, f in main_run["flushed"]]
+        flushed = [f for _, f, _, _ in main_run["flushed"]]
+        subnormal = [f for _, _, f, _ in main_run["flushed"]]
+        metered = [(f, m) for _, _, f, m in main_run["flushed"] if m is not None]
         rows.append(
             {
                 "policy": name,
@@ -267,6 +276,9 @@ def main() -> None:
                 "shrink": arrival(main_run, args.steady, main_run["working_at_shrink"], interval),
                 "flushed_mean": sum(flushed) / max(1, len(flushed)),
                 "subnormal_mean": sum(subnormal) / max(1, len(subnormal)),
+                # the meter's reading (fp16 backward) beside the fp32 count, at the same probes
+                "meter_mean": sum(m for _, m in metered) / len(metered) if metered else None,
+                "meter_max_gap": max((abs(m - f) for f, m in metered), default=None),
                 "cold_1": arrival(cold1, 0, working0, interval),
                 "cold_2_32": arrival(cold32, 0, working0, interval),
                 "final_loss": final,
@@ -292,15 +304,18 @@ def _report(
     print(
         f"\n| policy | skips, first {min(WARM_UP, args.steady // 2)} steps | skips per 1,000 after "
         "| after the 1,000x shrink: steps to within 2x "
-        "| zero in fp16, non-zero in fp32 | subnormal in fp16 | from 1 | from 2^32 "
-        "| final loss vs fp32 |"
+        "| zero in fp16, non-zero in fp32 | subnormal in fp16 | the meter (its largest gap) "
+        "| from 1 | from 2^32 | final loss vs fp32 |"
     )
-    print("|---|---:|---:|---|---:|---:|---|---|---:|")
+    print("|---|---:|---:|---|---:|---:|---:|---|---|---:|")
     for row in rows:
+        meter = "-"
+        if row["meter_mean"] is not None:
+            meter = f"{row['meter_mean']:.2%} ({row['meter_max_gap']:.3%})"
         print(
             f"| {row['policy']} | {row['first_skips']} | {row['steady_skips_per_1000']:.2f} "
             f"| {_cell(row['shrink'])} "
-            f"| {row['flushed_mean']:.2%} | {row['subnormal_mean']:.2%} "
+            f"| {row['flushed_mean']:.2%} | {row['subnormal_mean']:.2%} | {meter} "
             f"| {_cell(row['cold_1'])} | {_cell(row['cold_2_32'])} "
             f"| {row['vs_fp32']:+.2%} |"
         )
