@@ -340,7 +340,7 @@ class Stepper:
             with torch.no_grad():
                 groups, _, holds = self._walk.groups(_params(to_check))
                 every = self._meter_every  # the meter's step: an inf-norm clip may still undo it
-                counts = bool(every) and book.step % every == 0 and can_count(scale.device)
+                counts = bool(every) and not book.step % every and can_count(scale.device)
                 if self.home.host.policy.fit or counts:
                     pending.bins.append(self.kernels.bins((groups,), scale.device, None, counts))
                 flags = self.kernels.check_(groups, self.kernels.inverse(scale), {})
@@ -489,7 +489,8 @@ class Stepper:
         travels (its shares need a MAX, the counts a SUM).
         """
         every, inf_norm = self._meter_every, norm_type is not None and math.isinf(norm_type)
-        counts = bool(every) and book.step % every == 0 and not inf_norm and can_count(device)
+        # `not step % every`, a Python bool even where torch.compile traces the step as a symbol
+        counts = bool(every) and not book.step % every and not inf_norm and can_count(device)
         ballot = self.exchange.ballot(
             device,
             holds_grads=holds or book.pending.holds,
