@@ -163,7 +163,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
             in fp16, or flushed to zero) and `underflow_scale` (the lowest scale at which at most
             0.1% would be), counted over every rank in the step's one collective, and logged
             (INFO) where above 0.1%. Three kernels per gradient tensor on those steps, no host
-            read (docs/observability.md#underflow). 0: never. Default 100.
+            read (docs/observability.md, "How much of the gradient underflows"). 0: never.
+            Default 100.
 
     Raises:
         TypeError: an argument has the wrong type.
