@@ -206,17 +206,32 @@ def test_fit_bad_arguments_say_the_rule() -> None:
 def _ranks_fit(rank: int, world_size: int, clip: bool) -> dict[str, Any]:
     """Each rank holds its own shard: rank 1's gradients are 2**6 times rank 0's."""
     scaler, model, optimizer = _setup()
+    grad = torch.full((8,), 3e-5 * 64**rank)
+    counts = counted_steps(scaler, model, optimizer, grad, 3, clip)
+    return {"scale": scaler.get_scale(), "collectives": counts, "state": scaler.state_dict()}
+
+
+def counted_steps(
+    scaler: ShardedGradScaler,
+    model: Planted,
+    optimizer: Any,
+    grad: torch.Tensor,
+    steps: int,
+    clip: bool,
+) -> list[int]:
+    """`steps` iterations planting `grad` on this rank's own shard (a clip first, if `clip`, of
+    this rank's parameters alone); the collectives each step + update issued."""
     counts = []
-    for _ in range(3):
+    for _ in range(steps):
         optimizer.zero_grad()
-        scaler.scale(model.loss(torch.full((8,), 3e-5 * 64**rank))).backward()
+        scaler.scale(model.loss(grad)).backward()
         with count_collectives() as counted:
             if clip:
                 scaler.clip_grad_norm_(model.parameters(), max_norm=1e9, replica_group=1)
             scaler.step(optimizer)
             scaler.update()
         counts.append(sum(counted.values()))
-    return {"scale": scaler.get_scale(), "collectives": counts, "state": scaler.state_dict()}
+    return counts
 
 
 @pytest.mark.parametrize("clip", [False, True], ids=["step", "clip 2-norm (a summed ballot)"])

@@ -14,32 +14,20 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 from shardscale import (
     NonFiniteGrad,
     ShardedGradScaler,
     UnderflowingGrad,
-    count_collectives,
     find_nonfinite_grads,
     find_underflowing_grads,
 )
 from tests.harness import run_ranks
 from tests.setups import build, local_grad_values, mlp
+from tests.test_fit import Planted, counted_steps
 
 TINY = 2.0**-14  # fp16's smallest normal
 TARGET = 1e-3  # the meter's: at most 0.1% below TINY
-
-
-class Planted(nn.Module):
-    """One parameter whose gradient is whatever the step plants."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(size))
-
-    def loss(self, grad: torch.Tensor) -> torch.Tensor:
-        return (self.w * grad).sum()
 
 
 def _spread(size: int = 4096, low: int = -50, high: int = 4, seed: int = 0) -> torch.Tensor:
@@ -167,16 +155,8 @@ def _ranks_meter(rank: int, world_size: int, clip: bool) -> dict[str, Any]:
     scaler = ShardedGradScaler(init_scale=1.0, underflow_every=1)
     model = Planted(64)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    counts = []
-    for _ in range(2):
-        optimizer.zero_grad()
-        scaler.scale(model.loss(torch.full((64,), 1e-6 if rank == 0 else 1.0))).backward()
-        with count_collectives() as counted:
-            if clip:
-                scaler.clip_grad_norm_(model.parameters(), max_norm=1e9, replica_group=1)
-            scaler.step(optimizer)
-            scaler.update()
-        counts.append(sum(counted.values()))
+    grad = torch.full((64,), 1e-6 if rank == 0 else 1.0)
+    counts = counted_steps(scaler, model, optimizer, grad, 2, clip)
     return {"stats": scaler.stats, "collectives": counts}
 
 
