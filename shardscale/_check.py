@@ -15,9 +15,10 @@ Clipping to a global norm takes two passes, whatever the layout:
    A non-finite element makes its tensor's norm non-finite, so this pass is also the overflow
    check (for p <= 2 and the inf-norm; a larger p takes one extra check pass). Scaled fp32
    gradients can be large enough that their squares overflow float32, so a finite gradient
-   must never be taken for an overflow: on the CPU the norms that come out non-finite are taken
-   again in float64 (deciding that is a host read, free there; float64 norms cost 8x there), on
-   an accelerator every norm accumulates in float64 (a memory-bound pass either way).
+   must never be taken for an overflow: on the CPU, where some norm comes out non-finite, the
+   norms are taken again in float64 (deciding that is a host read, free there; float64 norms
+   cost 8x there; a group tiling one buffer is one tensor there, `GradWalk.groups`), on an
+   accelerator every norm accumulates in float64 (a memory-bound pass either way).
 2. read+write: multiply by `inv_scale * min(1, max_norm / (total + 1e-6))`, after the agreement.
 
 The small constants the kernels need (a float32 one, a float64 one, a scratch flag, `max_norm`)
@@ -248,10 +249,7 @@ def _norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     if grads[0].device.type != "cpu":
         return torch.stack(foreach_norm(grads, norm_type, dtype=torch.float64))
     norms = torch.stack(foreach_norm(grads, norm_type, dtype=torch.float32))
-    finite = norms.isfinite()
-    if math.isinf(norm_type) or bool(finite.all()):  # a host read: free on the CPU
+    if math.isinf(norm_type) or bool(norms.isfinite().all()):  # a host read: free on the CPU
         return norms
-    redo = [i for i, ok in enumerate(finite.tolist()) if not ok]
-    again = foreach_norm([grads[i] for i in redo], norm_type, dtype=torch.float64)
-    norms[redo] = torch.stack(again).float()  # a norm (not its square) that fits float32
-    return norms
+    # a norm (not its p-th power) of finite elements fits float32
+    return torch.stack(foreach_norm(grads, norm_type, dtype=torch.float64)).float()

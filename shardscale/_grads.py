@@ -57,6 +57,7 @@ NormGroups = dict[tuple[torch.device, torch.dtype, int], list[torch.Tensor]]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _GRAD = operator.attrgetter("grad")
+_BASE = operator.attrgetter("_base")
 _FLAT_PARAM = "_flat_param"
 
 
@@ -228,6 +229,18 @@ class GradWalk:
                     count, is_plain = self._replica_count(params[present[position]], plain)
                     any_plain = any_plain or is_plain
                     groups.setdefault((device, dtype, count), []).append(grad)
+        for key, tensors in groups.items() if plain is not None else ():  # the clip's groups
+            # On the CPU a kernel over many tensors is a loop of kernels (a norm ~2 us each): a
+            # group tiling one buffer back to back (FSDP2's shards of its reduce-scatter output)
+            # is taken as one view of it, for 0.5 us a tensor (docs/benchmarks.md).
+            base = tensors[0]._base
+            if key[0].type != "cpu" or base is None:
+                continue
+            starts = list(map(torch.Tensor.storage_offset, tensors))
+            ends = list(map(operator.add, starts, map(torch.Tensor.numel, tensors)))
+            tiled = starts[1:] == ends[:-1] and all(map(torch.Tensor.is_contiguous, tensors))
+            if tiled and all(map(operator.is_, map(_BASE, tensors), [base] * len(tensors))):
+                groups[key] = [tensors[0].as_strided((ends[-1] - starts[0],), (1,))]
         return groups, any_plain, holds
 
     def _replica_count(self, param: torch.Tensor, plain: int) -> tuple[int, bool]:

@@ -39,6 +39,71 @@ def test_grad_walk_groups_by_device_and_dtype_and_replica_count() -> None:
     assert GradWalk().groups(_params_with_grads([torch.zeros(0)]))[2] is False  # an empty shard
 
 
+def _tiles(buffer: torch.Tensor, sizes: list[int], gap: int = 0) -> list[torch.Tensor]:
+    """Views of `buffer` of `sizes`, back to back (`gap` elements left between them)."""
+    views, start = [], 0
+    for size in sizes:
+        views.append(buffer[start : start + size].view(size // 2, 2))
+        start += size + gap
+    return views
+
+
+def test_clip_groups_take_gradients_tiling_one_buffer_as_one_view() -> None:
+    """FSDP2's shards of one reduce-scatter buffer, back to back, on the CPU: the clip's group
+    is one view of exactly their elements; anything else is kept tensor by tensor."""
+    cpu = torch.device("cpu")
+    buffer = torch.arange(40, dtype=torch.float32)
+    views = _tiles(buffer[2:], [4, 6, 8])  # not from the buffer's start
+    (flat,) = GradWalk().groups(_params_with_grads(views), 1)[0][(cpu, torch.float32, 1)]
+    assert flat.data_ptr() == views[0].data_ptr()
+    assert torch.equal(flat, buffer[2:20])
+    assert GradWalk().groups(_params_with_grads(views))[0][(cpu, torch.float32)] == views
+    not_tiled = {
+        "a gap (FSDP2's padding)": _tiles(buffer, [4, 6], gap=2),
+        "out of order": _tiles(buffer, [4, 6])[::-1],
+        "not contiguous": [buffer[:4].view(2, 2), buffer[4:8].view(2, 2).t()],
+        "separate tensors": [torch.zeros(4), torch.zeros(4)],
+        "other buffers": [buffer[:4], torch.zeros(8)[4:8]],
+        "the meta device": _tiles(torch.zeros(40, device="meta"), [4, 6]),
+    }
+    for why, grads in not_tiled.items():
+        groups = GradWalk().groups(_params_with_grads(grads), 1)[0]
+        assert list(map(id, next(iter(groups.values())))) == list(map(id, grads)), why
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_clip_of_tiled_gradients_matches_torch_and_reads_only_their_elements(
+    overflow: bool,
+) -> None:
+    """Gradients tiling one buffer clip as torch clips them; an inf in a tile skips the step,
+    an inf in the buffer past the last tile is never read."""
+    results = {}
+    for name in ("ours", "torch"):
+        buffer = torch.arange(1.0, 25.0)
+        buffer[18:] = math.inf  # past the tiles: no gradient's element
+        views = _tiles(buffer, [4, 6, 8])
+        if overflow:
+            views[1][0, 0] = math.inf
+        params = _params_with_grads(views)
+        if name == "ours":
+            scaler = ShardedGradScaler(init_scale=4.0)
+            scaler.scale(torch.ones(()))
+            norm = scaler.clip_grad_norm_(params, 10.0)
+            scaler.step(torch.optim.SGD(params, lr=1.0))
+            scaler.update()
+            assert scaler.stats.skipped_steps == int(overflow)
+        else:
+            torch._foreach_mul_(views, 0.25)  # unscaled, as ours
+            norm = torch.nn.utils.clip_grad_norm_(params, 10.0)
+        results[name] = (float(norm), [view.clone() for view in views])
+    (ours, our_grads), (torchs, torch_grads) = results.values()
+    assert math.isinf(ours) if overflow else ours == pytest.approx(torchs)
+    if not overflow:
+        torch.testing.assert_close(our_grads, torch_grads)
+        clipped = torch.cat([view.flatten() for view in our_grads]).norm()
+        assert float(clipped) == pytest.approx(10.0)  # the norm was above it: clipped to it
+
+
 def test_grad_walk_keeps_no_gradient_alive() -> None:
     params = _params_with_grads([torch.ones(4), torch.ones(4)])
     walk = GradWalk()
@@ -101,7 +166,8 @@ def test_fsdp2_matches_torch_bit_for_bit(even: bool, set_to_none: bool) -> None:
 
 
 def _rank_padding_is_never_read(rank: int, world_size: int) -> dict[str, Any]:
-    """An inf written into FSDP2's shard padding (not a gradient element) must not skip."""
+    """An inf written into FSDP2's shard padding (not a gradient element) must not skip, nor
+    make the clip's norm infinite."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -125,6 +191,7 @@ def _rank_padding_is_never_read(rank: int, world_size: int) -> dict[str, Any]:
         padded = len(padding)
         if padding:
             base.view(-1)[padding[0]] = math.inf  # between the shards: no gradient's element
+        scaler.clip_grad_norm_(model.parameters(), 1e9)  # nor is it read by the clip's norm
         scaler.step(optimizer)
         scaler.update()
     return {"padded": padded, "skipped": scaler.stats.skipped_steps}
