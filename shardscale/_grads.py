@@ -24,7 +24,9 @@ per group, each gradient taken as it is (FSDP2's padding between shards is never
 kept by gradient identity: the default loop hands new gradient tensors every step. A layout kept
 while the gradients stayed the same objects, with flat buffers where FSDP2's shards tile their
 reduce-scatter buffer, was measured and removed: on the default loop it paid only for
-`clip_grad_norm_` over hundreds of small tensors (docs/benchmarks.md).
+`clip_grad_norm_` over hundreds of small tensors (docs/benchmarks.md). For that clip, on the CPU,
+a group whose gradients tile one buffer back to back is recognised afresh at every call and taken
+as one view of exactly their elements.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from shardscale import (
+    AsyncShardedGradScaler,
     NonFiniteGrad,
     ShardedGradScaler,
     UnderflowingGrad,
@@ -85,6 +86,21 @@ def test_meter_matches_an_fp32_count_of_the_scaled_gradients(how: str) -> None:
         assert stats.underflow == pytest.approx(fraction, abs=1e-6)
         assert stats.underflow_scale == scale * factor
         assert stats.underflow_step == stats.steps
+
+
+def test_meter_reads_the_async_scalers_steps_as_the_synchronous_ones() -> None:
+    """`AsyncShardedGradScaler`'s iterations (here on one thread) meter through the same
+    ballot: the same readings, step for step, as the synchronous scaler's."""
+    grads = [_spread(seed=0), _spread(seed=1)]
+    settings: dict[str, Any] = {"init_scale": 2.0**10, "underflow_every": 1}
+    ours = _run(AsyncShardedGradScaler(**settings), grads)
+    for (scale, scaled, stats), (*_, sync) in zip(
+        ours, _run(ShardedGradScaler(**settings), grads), strict=True
+    ):
+        fraction, factor = _expected(scaled)
+        assert stats.underflow == pytest.approx(fraction, abs=1e-6)
+        assert stats.underflow_scale == scale * factor
+        assert stats == sync
 
 
 def test_meter_finds_the_scale_for_the_target_up_and_down() -> None:
