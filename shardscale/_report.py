@@ -147,20 +147,16 @@ class StepReporter:
         with torch.cuda.device(packed.device):
             host.copy_(packed, non_blocking=True)
             event.record(torch.cuda.current_stream(packed.device))
-        previous, self._pending = self._pending, (host, event)
-        if previous is not None:
-            self._deliver_pending(previous)
+        self.flush(then=(host, event))
 
-    def flush(self) -> None:
-        """Deliver a step still in flight (waits for its copy)."""
-        pending, self._pending = self._pending, None
+    def flush(self, then: tuple[torch.Tensor, torch.cuda.Event] | None = None) -> None:
+        """Deliver a step still in flight (waits for its copy); `then` (the step just copied)
+        is in flight from now on, delivered or not."""
+        pending, self._pending = self._pending, then
         if pending is not None:
-            self._deliver_pending(pending)
-
-    def _deliver_pending(self, pending: tuple[torch.Tensor, torch.cuda.Event]) -> None:
-        host, event = pending
-        event.synchronize()  # recorded a step ago: normally long complete
-        self._deliver(stats_from(host.tolist()))
+            host, event = pending
+            event.synchronize()  # recorded a step ago: normally long complete
+            self._deliver(stats_from(host.tolist()))
 
     def _deliver(self, stats: ScalerStats) -> None:
         forward = stats.forward_overflows > self._forward_overflows
