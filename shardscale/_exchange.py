@@ -204,13 +204,14 @@ def _bound_device(group: dist.ProcessGroup) -> torch.device | None:
     return None
 
 
-def _backend(group: dist.ProcessGroup | None, device_type: str) -> str | None:
-    """The backend `group` runs `device_type`'s collectives on (None: it cannot be asked)."""
+def _backend(group: dist.ProcessGroup | None, device_type: str | None = None) -> str | None:
+    """The backend `group` runs `device_type`'s collectives on (None: it cannot be asked);
+    without a `device_type`, the group's whole backend string."""
     try:
         backend = str(dist.get_backend(group)).lower()  # "nccl", "cpu:gloo,cuda:nccl", ...
     except (RuntimeError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    if ":" in backend:
+    if ":" in backend and device_type is not None:
         return dict(pair.split(":", 1) for pair in backend.split(",")).get(device_type, backend)
     return backend
 
@@ -464,11 +465,8 @@ class Exchange:
         if self.world_size == 1 or self._group is None:
             return None
         ranks = dist.get_process_group_ranks(self._group)
-        if backend is None:
-            try:
-                backend = str(dist.get_backend(self._group))
-            except (RuntimeError, ValueError, KeyError, TypeError, AttributeError):
-                backend = None  # the default group's, as new_group takes it
+        if backend is None:  # stays None where it cannot be asked: new_group takes the default's
+            backend = _backend(self._group)
         bound = _bound_device(self._group)
         local = bound is None or (backend is not None and backend.lower() == "gloo")
         if local or len(ranks) == dist.get_world_size():  # else every rank is a member
