@@ -22,7 +22,6 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -81,9 +80,8 @@ class ScalerStats:
 def stats_of(scale: float, counters: Counters, meter: Sequence[float] = (0, 0, 0)) -> ScalerStats:
     """Stats from host values (`meter`: `DeviceState.meter`'s)."""
     step, fraction, fitted = meter
-    meter_fields: dict[str, Any] = {"underflow": fraction, "underflow_scale": fitted}
-    meter_fields["underflow_step"] = int(step)
-    return ScalerStats(scale=scale, **asdict(counters), **meter_fields)
+    counted = asdict(counters) | {"underflow_step": int(step)}
+    return ScalerStats(scale=scale, underflow=fraction, underflow_scale=fitted, **counted)
 
 
 def stats_from(values: list[float]) -> ScalerStats:
