@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -151,6 +151,26 @@ def test_clip_world_of_one_matches_torch(flavour: str, world_of_one: Any) -> Non
         assert sum(counts.values()) == 0  # world size 1: no collective
     for a, b in zip(ours.model.parameters(), theirs.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_clip_multiplies_in_float32_on_the_cpu(dtype: torch.dtype, world_of_one: Any) -> None:
+    """The clip's one multiply (by 1/scale times the clip coefficient) is taken in float32 and
+    rounded once to the gradient's dtype, whichever kernel runs it: a factor rounded to fp16
+    first (2^-16 times the coefficient is subnormal there) would be off by up to a percent."""
+    torch.manual_seed(0)
+    scaled = (torch.randn(3, 1000) * 4.0).to(dtype)
+    params = [nn.Parameter(torch.zeros(1000, dtype=dtype)) for _ in range(3)]
+    for param, grad in zip(params, scaled, strict=True):
+        param.grad = grad.clone()
+    scaler = ShardedGradScaler(init_scale=2.0**16)
+    scaler.scale(torch.ones(()))
+    norm = scaler.clip_grad_norm_(params, 1e-5)
+    coef = torch.tensor(1e-5) / (norm + 1e-6)
+    factor = torch.fmin(coef, torch.ones(())) * torch.tensor(2.0**-16)
+    assert factor.item() < 2.0**-14  # it did clip, to a factor below fp16's smallest normal
+    for param, grad in zip(params, scaled, strict=True):
+        assert torch.equal(cast(torch.Tensor, param.grad), (grad.float() * factor).to(dtype))
 
 
 def _rank_clip_overflow(rank: int, world_size: int, kind: str, flavour: str) -> dict[str, Any]:
