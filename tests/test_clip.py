@@ -299,6 +299,18 @@ def test_clip_part_of_an_optimizers_params_then_step_raises() -> None:
         scaler.step(optimizer)
 
 
+def test_clip_of_every_parameter_with_a_gradient_is_taken_by_step() -> None:
+    """An optimizer that also holds a parameter the clip never saw, one without a gradient
+    (frozen), still takes the clip's unscale: its gradients are divided by the scale once."""
+    scaler, model, _ = _clip_setup()
+    optimizer = torch.optim.SGD([*model.parameters(), nn.Parameter(torch.zeros(3))], lr=0.1)
+    scaled = [cast(torch.Tensor, p.grad).clone() for p in model.parameters()]
+    scaler.clip_grad_norm_(model.parameters(), 1e9)  # a norm never reached: unscaled only
+    scaler.step(optimizer)
+    for param, grad in zip(model.parameters(), scaled, strict=True):
+        assert torch.equal(cast(torch.Tensor, param.grad), grad / SCALE)
+
+
 def test_clip_before_scale_raises() -> None:
     scaler = ShardedGradScaler()
     with pytest.raises(RuntimeError, match="Attempted clip_grad_norm_ but _scale is None"):
