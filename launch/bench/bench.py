@@ -19,13 +19,15 @@ every step, as after ``zero_grad(set_to_none=False)``).
 The floors, measured in the same run: the least any scaler that agrees across ranks must do.
 step: one read+write pass over the local gradients plus one scalar all-reduce; clip: one read
 pass (the norm), one read+write pass and one scalar all-reduce. Each is timed per tensor
-(``_foreach_*``) and, where the gradients tile FSDP2's flat buffer, over the buffer; the lower
-of the two is the floor. Reported per candidate: the median time (the slowest rank's), its ratio
-to its floor, the collectives issued per step (counted by the profiler) and, on CUDA, the kernels
-launched per step. Candidates are timed in interleaved rounds, so drift on a shared machine falls
-on all of them alike. One more row per optimizer kind, ours with ``underflow_every=1``, times a
-step of the underflow meter (by default one step in 100): the meter's cost is its difference
-from ours, over 100.
+(``_foreach_*``) and, where the gradients tile FSDP2's flat buffer, over the buffer; the step's
+pass also by torch's check kernel (``_amp_foreach_non_finite_check_and_unscale_``, with a factor
+of 1), which every scaler here runs on a step: it does the pass and more, yet over many small
+tensors on the CPU it is the faster. The lowest is the floor. Reported per candidate: the median
+time (the slowest rank's), its ratio to its floor, the collectives issued per step (counted by the
+profiler) and, on CUDA, the kernels launched per step. Candidates are timed in interleaved
+rounds, so drift on a shared machine falls on all of them alike. One more row per optimizer
+kind, ours with ``underflow_every=1``, times a step of the underflow meter (by default one step
+in 100): the meter's cost is its difference from ours, over 100.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 from shardscale import ShardedGradScaler, count_collectives
+
+# torch's fused check-and-unscale, which all three scalers run on a step (a factor of 1 here)
+check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 
 WORKLOADS = {
     "a: 20M params / 8 tensors": (8, 2_500_000),
@@ -150,7 +155,8 @@ def _scalers(device: torch.device) -> dict[str, Callable[[], Any]]:
 
 
 def _floors(model: nn.Module, device: torch.device) -> dict[tuple[str, str], Run]:
-    """The step and clip floors, per tensor and over the flat buffer (where one is tiled)."""
+    """The step and clip floors, per tensor and over the flat buffer (where one is tiled); the
+    step's pass also by torch's check kernel, which every scaler here runs."""
     flag = torch.zeros((), device=device)
     one = torch.ones((), device=device)
 
@@ -173,8 +179,14 @@ def _floors(model: nn.Module, device: torch.device) -> dict[tuple[str, str], Run
             torch._foreach_mul_(chosen, one)
             dist.all_reduce(norm)
 
+        def check(tensors: Callable[[], list[torch.Tensor]] = tensors) -> None:
+            check_and_unscale_(tensors(), flag, one)
+            dist.all_reduce(flag)
+
         floors[(f"floor: one pass + all-reduce ({name})", "step")] = step
         floors[(f"floor: read pass + one pass + all-reduce ({name})", "clip")] = clip
+        # the same pass by torch's check kernel: where it is the faster, it is the floor
+        floors[(f"floor: one pass + all-reduce, by torch's check kernel ({name})", "step")] = check
     return floors
 
 
@@ -251,7 +263,7 @@ def bench_workload(
         rows.append(
             {
                 "scaler": name,
-                "optimizer": kind if not name.startswith("floor") else "-",
+                "optimizer": "-" if kind in ("step", "clip") else kind,
                 "median_ms": ms,
                 "x_floor": ms / floor_ms[of],
                 "floor": of,
