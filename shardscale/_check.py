@@ -117,6 +117,11 @@ class Kernels:
                 factors[device] = self.one(device) if inv_scale is None else move(inv_scale, device)
             if flags is self._scratch and device.type == "cpu":
                 torch._foreach_mul_(grads, factors[device])
+            elif inv_scale is None and device.type == "cpu" and grads[0].numel() >= 1 << 16:
+                # A check only, of large CPU tensors: read, not rewrite. A sum is finite only
+                # where every element is; one that is not is checked again, exactly.
+                if not math.isfinite(sum(g.sum(dtype=torch.float32).item() for g in grads)):
+                    check_and_unscale_(grads, flags[device], factors[device])
             else:
                 check_and_unscale_(grads, flags[device], factors[device])
         return flags

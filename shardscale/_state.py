@@ -48,13 +48,10 @@ TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_g
 _POLICY_KEYS = ("hysteresis", "_hysteresis_tracker", "min_scale", "max_scale", "dynamic")
 _V0_KEYS = (*_POLICY_KEYS, "steps", "skipped_steps", "consecutive_skips", "last_overflow_step")
 _V1_KEYS = (*_V0_KEYS, "format_version")
+_V2_KEYS = (*_V1_KEYS, "forward_overflows", "retries")
+_V3_KEYS = (*_V2_KEYS, "scale_policy", "_fit_margin", "_fit_window")
 # Our keys in each format version: all of them, or none (a torch state dict).
-OUR_KEYS_BY_VERSION: dict[int, tuple[str, ...]] = {
-    0: _V0_KEYS,
-    1: _V1_KEYS,
-    2: (*_V1_KEYS, "forward_overflows", "retries"),
-    3: (*_V1_KEYS, "forward_overflows", "retries", "scale_policy", "_fit_margin", "_fit_window"),
-}
+OUR_KEYS_BY_VERSION = {0: _V0_KEYS, 1: _V1_KEYS, 2: _V2_KEYS, 3: _V3_KEYS}
 
 
 @dataclass(frozen=True, slots=True)

@@ -252,3 +252,59 @@ def _rank_replica_counts_follow_the_gradients_layout(rank: int, world_size: int)
 def test_replica_counts_are_remembered_per_layout_and_follow_a_changed_one() -> None:
     for counts in run_ranks(_rank_replica_counts_follow_the_gradients_layout, 2):
         assert counts == [1, 1, 2, 2, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_check_only_of_large_cpu_gradients_flags_exactly_what_the_kernel_flags(
+    dtype: torch.dtype,
+) -> None:
+    """A check without unscaling (fused optimizers) reads large CPU tensors by their sums: a sum
+    that overflows over finite elements is no overflow, an inf or NaN anywhere is, and nothing
+    is written."""
+    from shardscale._check import Kernels
+
+    cpu, n = torch.device("cpu"), 1 << 16
+    top = torch.finfo(dtype).max
+    cases: list[tuple[list[tuple[int, int, float]], float]] = [
+        ([], 0.0),  # float32 and bfloat16: every sum overflows, every element is finite
+        ([(1, 777, math.inf)], 1.0),
+        ([(1, 777, -math.inf)], 1.0),
+        ([(0, n - 1, math.nan)], 1.0),
+        ([(0, 3, math.inf), (1, 5, -math.inf)], 1.0),  # sums of opposite signs
+    ]
+    for planted, expected in cases:
+        grads = [torch.full((n,), top, dtype=dtype), torch.full((n,), -top, dtype=dtype)]
+        for tensor, index, value in planted:
+            grads[tensor][index] = value
+        before = [g.clone() for g in grads]
+        flags = Kernels().check_({(cpu, dtype): grads}, None, {})
+        assert flags[cpu].item() == expected, planted
+        for grad, old in zip(grads, before, strict=True):
+            torch.testing.assert_close(grad, old, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_fused_optimizer_over_large_cpu_gradients_steps_as_torchs_scaler(overflow: bool) -> None:
+    """A fused CPU AdamW over a large gradient (checked by its sum) steps, or skips on an inf,
+    exactly as under torch's GradScaler."""
+    weights = torch.randn(1 << 17)
+    runs = []
+    for make in (
+        lambda: ShardedGradScaler(init_scale=2.0**10),
+        lambda: torch.amp.GradScaler("cpu", init_scale=2.0**10),
+    ):
+        param = nn.Parameter(weights.clone())
+        optimizer = torch.optim.AdamW([param], lr=0.1, fused=True)
+        scaler = make()
+        scaler.scale((param * param).sum()).backward()
+        if overflow:
+            grad = param.grad
+            assert grad is not None
+            grad[4321] = math.inf
+        scaler.step(optimizer)
+        scaler.update()
+        runs.append((param.detach().clone(), scaler.get_scale()))
+    (ours, our_scale), (theirs, their_scale) = runs
+    assert torch.equal(ours, theirs)
+    assert our_scale == their_scale
+    assert torch.equal(ours, weights) == overflow  # skipped, or stepped
