@@ -3,9 +3,14 @@
 Unscaling and checking are one fused pass per (device, dtype) group, torch's
 `_amp_foreach_non_finite_check_and_unscale_`: it multiplies by `inv_scale` and raises a flag in
 the same pass. Measured on CPU (docs/benchmarks.md), it costs about a bare `_foreach_mul_` in fp16
-and up to ~1.5x one in fp32, and beats every read-only alternative we tried (`isfinite().all()`
-and `_foreach_norm(inf)` ~12x slower, `aminmax` 1.3-3x), so the check-only pass of fused
-optimizers uses it too, with a factor of 1.
+and up to ~1.5x one in fp32 (it tests element by element there). The check-only pass of fused
+optimizers uses it too, with a factor of 1, except over large CPU tensors (64Ki elements and
+more), which it reads by their sums: a float sum is finite only where every element is, and
+the sums take about two thirds of the kernel's time there (`isfinite().all()` and
+`_foreach_norm(inf)` take ~12x a multiply, `aminmax` 1.3-3x). A non-finite sum (an overflow,
+or finite elements summing past float32's range) is checked again by the kernel, so the flag is
+exact. Per tensor, a sum costs a few us more than the kernel's share: small tensors stay with
+the kernel.
 
 Clipping to a global norm takes two passes, whatever the layout:
 
