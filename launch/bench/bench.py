@@ -52,7 +52,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from shardscale import ShardedGradScaler, count_collectives
 
-# torch's fused check-and-unscale, which all three scalers run on a step (a factor of 1 here)
+# torch's fused check: multiply by inv_scale and raise found_inf in one pass, which all three
+# scalers run on a step; called directly (here and in bench_phases.py), it is the kernel's own cost.
 check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 
 WORKLOADS = {

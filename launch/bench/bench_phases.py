@@ -22,15 +22,11 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from bench import NoOpOptimizer, Tensors, _renew_grads, local_grads
+from bench import NoOpOptimizer, Tensors, _renew_grads, check_and_unscale_, local_grads
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from shardscale import ShardedGradScaler
-
-# torch's fused check: multiply by inv_scale and raise found_inf in one pass (what torch's
-# GradScaler and shardscale both run); called directly here, it is the kernel's own cost.
-check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 
 
 def _median_ms(
