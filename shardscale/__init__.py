@@ -2,7 +2,12 @@
 
 import importlib.metadata as _metadata
 
-from shardscale._errors import ShardScaleDistributedError, ShardScaleSkipError, ShardScaleWarning
+from shardscale._errors import (
+    ShardScaleDistributedError,
+    ShardScaleNonFiniteError,
+    ShardScaleSkipError,
+    ShardScaleWarning,
+)
 from shardscale._locate import (
     NonFiniteGrad,
     UnderflowingGrad,
@@ -22,6 +27,7 @@ __all__ = [
     "ScaleState",
     "ScalerStats",
     "ShardScaleDistributedError",
+    "ShardScaleNonFiniteError",
     "ShardScaleSkipError",
     "ShardScaleWarning",
     "ShardedGradScaler",

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from shardscale._exchange import check_group, timeout_option
-from shardscale._policy import ScalePolicy, check_bool, check_choice, check_int
+from shardscale._policy import MIN_SCALE, ScalePolicy, check_bool, check_choice, check_int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,12 +37,13 @@ class ScalerConfig:
     enabled: bool = True
     process_group: dist.ProcessGroup | None = None
     hysteresis: int = 1
-    min_scale: float = 1.0
+    min_scale: float = MIN_SCALE
     max_scale: float | None = None
     dynamic: bool = True
     sync_timeout: timedelta | None = None
     verify_every: int = 0
     max_consecutive_skips: int | None = None
+    max_overflows_at_floor: int | None = 8
     locate_overflow: bool = False
     max_retries: int = 3
     scale_policy: str = "interval"
@@ -69,13 +70,12 @@ class ScalerConfig:
         check_int("underflow_every", self.underflow_every, minimum=0)
         if check_int("max_retries", self.max_retries) < 0:
             raise ValueError(f"max_retries must be >= 0 (0: never retry), got {self.max_retries}")
-        limit = self.max_consecutive_skips
-        if isinstance(limit, bool) or not isinstance(limit, (int, type(None))):
-            raise TypeError(
-                f"max_consecutive_skips must be an int or None, got {type(limit).__name__}"
-            )
-        if limit is not None and limit < 1:
-            raise ValueError(f"max_consecutive_skips must be >= 1 (None: no limit), got {limit}")
+        for name in ("max_consecutive_skips", "max_overflows_at_floor"):
+            limit = getattr(self, name)
+            if isinstance(limit, bool) or not isinstance(limit, (int, type(None))):
+                raise TypeError(f"{name} must be an int or None, got {type(limit).__name__}")
+            if limit is not None and limit < 1:
+                raise ValueError(f"{name} must be >= 1 (None: no limit), got {limit}")
         check_choice("scale_policy", self.scale_policy)
         self.policy().initial_state(self.first_scale())  # the policy's settings, init_scale
 

@@ -20,7 +20,8 @@ def no_scale_message(funcname: str) -> str:
 class ShardScaleWarning(UserWarning):
     """Something is wrong with the training run, but the scaler can carry on.
 
-    For example: an overflow at `min_scale`, where backing off further is impossible.
+    For example: an overflow at `min_scale`, where backing off further is impossible, or a long
+    streak of non-finite losses.
     """
 
 
@@ -36,4 +37,15 @@ class ShardScaleSkipError(RuntimeError):
     """More consecutive steps were skipped than `max_consecutive_skips` allows.
 
     Raised on every rank together (the counters agree); the message names the step and the scale.
+    """
+
+
+class ShardScaleNonFiniteError(ShardScaleSkipError):
+    """Gradients stayed non-finite where overflow no longer explains them.
+
+    `max_overflows_at_floor` consecutive steps overflowed with the scale at `min_scale` (or
+    fixed, `dynamic=False`). Raised by `update()` on every rank together, at the same step,
+    before anything was written into the weights; the message names the parameters (and ranks)
+    holding the non-finite values, says NaN or inf, and what that means. A `ShardScaleSkipError`,
+    so code that catches skipped-step errors catches it too.
     """

@@ -6,9 +6,10 @@ and once as device-side tensor maths ([`ScalePolicy.update_()`][ScalePolicy.upda
 scaler: no host sync, no collective). Because every rank feeds it the same agreed flags, every
 rank computes the same next scale.
 
-The algorithm, per `update()` (DeepSpeed's, the same as Megatron's up to how the hysteresis
-counter is kept; it reduces to torch's when `hysteresis == 1` and the scale stays within
-`[min_scale, max_scale]`):
+The interval rule, `scale_policy="interval"` (the default), per `update()`: Megatron-core's
+`DynamicGradScaler` (plus torch's guard against growing to inf, and a ceiling), and torch's when
+`hysteresis == 1` and the scale stays within `[min_scale, max_scale]`; DeepSpeed's up to 0.17.0
+(from 0.17.1 it grows one clean step later):
 
 ```python
 if forward_overflow:                              # the loss itself was inf/NaN on some rank:
@@ -28,23 +29,40 @@ else:
             scale = min(scale * growth_factor, max_scale)
 ```
 
-With `fit` (`scale_policy="fit"`), a clean step's scale is then replaced by the one that fits the
-gradients (overflows, forward overflows and the hysteresis go as above):
+The fit, `scale_policy="fit"`, in its place (a forward overflow moves nothing here either):
 
 ```python
-seen = largest |scaled gradient| of the step (every rank's, agreed) / scale   # an upper bound:
-window = [seen if clean else 0] + window[:-1]    # the power of two above it, 16 steps kept
-if gradient overflow and max(window) > 0:        # the window said this scale was safe
-    margin = min(margin + 1, FIT_MAX_MARGIN)     # learn: the backward needs more room
-if seen > 0:                                     # a clean step with gradients
-    scale = clamp(2**(16 - margin) / max(window), min_scale, max_scale)
+# seen: the step's largest |scaled gradient| (every rank's, agreed) / scale, as the power of two
+# above it; the window: the last 16 steps, newest first
+window = [0 if found_inf else seen] + window[:-1]
+if found_inf:
+    if max(old window) > 0:                        # the window said this scale was safe:
+        margin = min(margin + 1, FIT_MAX_MARGIN)   # learn: the backward needs more room
+    if hysteresis_tracker > 1:
+        hysteresis_tracker -= 1
+    else:                                          # 1, 2, 4, 8, then 16 halvings at a time
+        scale = max(scale * backoff_factor ** 2**streak, min_scale)
+    streak = min(streak + 1, FIT_MAX_STREAK)       # FIT_MAX_STREAK = 4
+else:
+    streak, hysteresis_tracker = 0, hysteresis
+    if max(window) > 0:
+        scale = clamp(2**(16 - margin) / max(window), min_scale, max_scale)
 ```
 
 The recent gradients, scaled, then stay below `2**(16 - margin)`; `2**16` is just above fp16's
 largest value (65504). The margin starts at 0 (within 2x of the largest scale the weights'
 gradients allow) and is learned: the weights' gradients are the last tensors of the backward,
 and the activations' gradients before them may overflow first. It never shrinks by itself: a
-probe would cost the skipped step the policy is there to avoid.
+probe would cost the skipped step the policy is there to avoid. Consecutive overflows back off
+faster and faster (a start far too high is left in a few skipped steps, not one per halving):
+overshooting costs nothing, because the next clean step sets the scale from the gradients. The
+jump is capped at 16 halvings, so that an overshoot leaves the largest gradients far above
+fp16's smallest values, for the fit to read them.
+
+The floor, `min_scale`, defaults to fp16's smallest subnormal, 2**-24: the scale goes below 1
+where the gradients need it (a loss summed over tokens), as torch's does, but never collapses to
+0, as torch's does under a persistent NaN. What happens to gradients that stay non-finite there
+is the scaler's business, not the policy's (`max_overflows_at_floor`).
 
 The scale is float32; each product is taken in float64 and rounded once, as torch's
 `_amp_update_scale_` does, so both agree bit for bit. With `dynamic=False` nothing changes.
@@ -62,7 +80,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -97,11 +115,16 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
+# The default floor: fp16's smallest subnormal. A scale below it would flush a loss of 1 to 0.
+MIN_SCALE = 2.0**-24
+
 # Steps whose gradients the fitted scale keeps in view.
 FIT_WINDOW = 16
 # Bits kept below fp16's range at first (`fit`); one more per overflow the window allowed.
 FIT_MARGIN = 0
 FIT_MAX_MARGIN = 8
+# Consecutive overflows the fit's backoff counts: the next backs off `2**streak` times, 16 at most.
+FIT_MAX_STREAK = 4
 
 
 # `scale_policy`'s values: torch's growth after an interval, or the scale that fits.
@@ -130,6 +153,9 @@ class ScaleState:
     window: tuple[float, ...] = (0.0,) * FIT_WINDOW
     """`fit`: the recent steps' largest unscaled gradient magnitudes (powers of two above
     them, the newest first; 0: no clean step seen there)."""
+    streak: int = 0
+    """`fit`: consecutive gradient overflows (at most `FIT_MAX_STREAK`); the next one backs off
+    `2**streak` times at once."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -149,7 +175,7 @@ class ScalePolicy:
     """Consecutive clean steps before the scale grows. Must be >= 1."""
     hysteresis: int = 1
     """Overflows tolerated before backing off, replenished on growth (1: back off at once)."""
-    min_scale: float = 1.0
+    min_scale: float = MIN_SCALE
     """The floor: the scale never backs off below it, so it can never reach 0. Must be > 0."""
     max_scale: float = field(default=math.inf)
     """The ceiling: growth stops here. `inf` means no ceiling."""
@@ -229,6 +255,8 @@ class ScalePolicy:
             )
         if not 0 <= state.margin <= FIT_MAX_MARGIN:
             raise ValueError(f"_fit_margin must be in [0, {FIT_MAX_MARGIN}], got {state.margin}")
+        if not 0 <= state.streak <= FIT_MAX_STREAK:
+            raise ValueError(f"_fit_streak must be in [0, {FIT_MAX_STREAK}], got {state.streak}")
         if len(state.window) != FIT_WINDOW or not all(0 <= v < math.inf for v in state.window):
             raise ValueError(
                 f"_fit_window must be {FIT_WINDOW} finite numbers >= 0, got {list(state.window)}"
@@ -245,14 +273,23 @@ class ScalePolicy:
         self.check_scale("init_scale", scale)
         return ScaleState(scale=_f32(scale), growth_tracker=0, hysteresis_tracker=self.hysteresis)
 
-    def next(self, state: ScaleState, found_inf: bool, forward: bool = False) -> ScaleState:
-        """Return the state after one step; the definition of the policy (see the module).
+    def next(
+        self, state: ScaleState, found_inf: bool, forward: bool = False, seen: float = 0.0
+    ) -> ScaleState:
+        """Return the state after one step; the definition of both rules (see the module), the
+        reference the device maths ([`update_()`][update_]) is tested against.
 
-        `forward`: the loss itself was non-finite on some rank (a forward overflow), so the
-        step was skipped and nothing moves, whatever `found_inf` says.
+        Args:
+            found_inf: the gradients overflowed on some rank.
+            forward: the loss itself was non-finite on some rank (a forward overflow), so the
+                step was skipped and nothing moves, whatever `found_inf` says.
+            seen: the fit's bound of the step's largest unscaled gradient: the power of two just
+                above it (0: no non-zero gradient). Ignored by the interval rule.
         """
         if not self.dynamic or forward:
             return state
+        if self.fit:
+            return self._next_fit(state, found_inf, seen)
         scale, growth, hysteresis = state.scale, state.growth_tracker, state.hysteresis_tracker
         if found_inf:
             growth = 0
@@ -268,7 +305,35 @@ class ScalePolicy:
                 grown = _f32(scale * self.growth_factor)
                 if math.isfinite(grown):
                     scale = min(grown, _f32(self.max_scale))
-        return ScaleState(scale=scale, growth_tracker=growth, hysteresis_tracker=hysteresis)
+        return replace(state, scale=scale, growth_tracker=growth, hysteresis_tracker=hysteresis)
+
+    def _next_fit(self, state: ScaleState, found_inf: bool, seen: float) -> ScaleState:
+        """`next()` under the fit (the module's second rule)."""
+        window = (0.0 if found_inf else seen, *state.window[:-1])
+        if not found_inf:
+            widest, scale = max(window), state.scale
+            if widest > 0:
+                fitted = _f32(2.0 ** (16 - state.margin) / widest)
+                scale = min(max(fitted, _f32(self.min_scale)), _f32(self.max_scale))
+            return replace(
+                state, scale=scale, hysteresis_tracker=self.hysteresis, window=window, streak=0
+            )
+        margin = min(state.margin + (max(state.window) > 0), FIT_MAX_MARGIN)
+        scale, hysteresis = state.scale, state.hysteresis_tracker
+        if hysteresis > 1:
+            hysteresis -= 1
+        else:
+            backed = _f32(scale * self.backoff_factor**2**state.streak)
+            scale = max(backed, _f32(self.min_scale))
+        streak = min(state.streak + 1, FIT_MAX_STREAK)
+        return replace(
+            state,
+            scale=scale,
+            hysteresis_tracker=hysteresis,
+            margin=margin,
+            window=window,
+            streak=streak,
+        )
 
     def update_(
         self,
@@ -318,18 +383,41 @@ class ScalePolicy:
         torch.where(tolerated, hysteresis_tracker - 1, replenished, out=hysteresis_tracker)
 
     def fit_(
-        self, scale: torch.Tensor, fit: torch.Tensor, seen: torch.Tensor, backoff: torch.Tensor
+        self,
+        scale: torch.Tensor,
+        hysteresis_tracker: torch.Tensor,
+        fit: torch.Tensor,
+        flags: torch.Tensor,
+        seen: torch.Tensor,
     ) -> None:
-        """`fit`'s part of an update, on the device, after [`update_()`][update_] (module
-        docstring), to `fit` (float32 `[margin, window...]`): `seen` is the step's largest
-        unscaled gradient magnitude (0: skipped, or no gradient), `backoff` 1.0 where its
-        gradients overflowed (not a forward overflow)."""
-        margin, window = fit[0], fit[1:]
-        margin.add_(backoff * (window.amax() > 0)).clamp_(max=FIT_MAX_MARGIN)
-        window.copy_(torch.cat((seen.reshape(1), window[:-1])))
-        widest = window.amax()
+        """Apply the fit's [`next()`][next] in place, on the device, without a host sync.
+
+        Args:
+            scale: float32 scalar tensor.
+            hysteresis_tracker: int32 scalar tensor on the same device.
+            fit: float32 `[margin, streak, window...]` (`ScaleState`'s).
+            flags: the agreed float32 `[skip, forward overflow]`, each 0.0 or 1.0.
+            seen: float32 scalar, the step's largest unscaled gradient bound (0 where none).
+        """
+        margin, streak, window = fit[0], fit[1], fit[2:]
+        overflow, moves = flags[0] - flags[1], flags[1] == 0  # a gradient overflow; not forward
+        clean = flags[0] == 0
+        shifted = torch.cat(((seen * clean).reshape(1), window[:-1]))
+        widest = shifted.amax()
         fitted = torch.exp2(16.0 - margin).div_(widest).clamp_(self.min_scale, self.max_scale)
-        torch.where((seen > 0) & (widest > 0), fitted, scale, out=scale)
+        tolerated = (overflow > 0) & (hysteresis_tracker > 1)
+        jump = torch.pow(self.backoff_factor, torch.exp2(streak.double()))
+        backed = (scale.double() * jump).float().clamp_(min=self.min_scale)
+        backed = torch.where(tolerated, scale, backed)
+        kept = torch.where(clean & (widest > 0), fitted, scale)
+        moved = torch.where(overflow > 0, backed, kept)
+        torch.where(moves, moved, scale, out=scale)
+        new_tracker = torch.where(clean, self.hysteresis, hysteresis_tracker - tolerated.int())
+        torch.where(moves, new_tracker, hysteresis_tracker, out=hysteresis_tracker)
+        widened = (margin + overflow * (window.amax() > 0)).clamp_(max=FIT_MAX_MARGIN)
+        streaked = (streak + 1).clamp_(max=FIT_MAX_STREAK) * overflow
+        new_fit = torch.cat((widened.reshape(1), streaked.reshape(1), shifted))
+        torch.where(moves, new_fit, fit, out=fit)
 
     def backoff_(self, scale: torch.Tensor, growth_tracker: torch.Tensor) -> None:
         """Back the scale off once, now, whatever the hysteresis allows (a retried step's

@@ -8,13 +8,15 @@ Checkpoints load both ways with torch's scalers: our state dict carries torch's 
 torch's meanings (`scale`, `growth_factor`, `backoff_factor`, `growth_interval`,
 `_growth_tracker`), which is all `torch.amp.GradScaler.load_state_dict` reads; ours adds the
 hysteresis settings, the floor and ceiling, `dynamic`, the step counters, `format_version` and
-the scale policy with its learned state (`scale_policy`, `_fit_margin`, `_fit_window`).
+the scale policy with its learned state (`scale_policy`, `_fit_margin`, `_fit_window`,
+`_fit_streak`).
 A torch state dict has none of our keys and loads with our current settings, a full hysteresis
 allowance and zeroed counters. Each format version has its own set of our keys, all required (a
 dict with only some of them is damaged): version 0 (no `format_version`) and 1 lack the
 forward-overflow and retry counters of version 2, which then start at 0; versions 0 to 2 lack
 the policy's keys of version 3 (the loading scaler keeps its own policy, and the fit's margin and
-window start afresh); a dict from a newer shardscale is refused. All values are Python numbers
+window start afresh); version 3 lacks the fit's overflow streak of version 4 (it starts at 0); a
+dict from a newer shardscale is refused. All values are Python numbers
 (the policy's name a string, the window a list of them), identical on every rank, so
 `torch.distributed.checkpoint` stores one copy and loads it at any world size.
 """
@@ -42,7 +44,7 @@ from shardscale._policy import (
 )
 
 # The version `state_dict()` writes.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 _POLICY_KEYS = ("hysteresis", "_hysteresis_tracker", "min_scale", "max_scale", "dynamic")
@@ -50,8 +52,9 @@ _V0_KEYS = (*_POLICY_KEYS, "steps", "skipped_steps", "consecutive_skips", "last_
 _V1_KEYS = (*_V0_KEYS, "format_version")
 _V2_KEYS = (*_V1_KEYS, "forward_overflows", "retries")
 _V3_KEYS = (*_V2_KEYS, "scale_policy", "_fit_margin", "_fit_window")
+_V4_KEYS = (*_V3_KEYS, "_fit_streak")
 # Our keys in each format version: all of them, or none (a torch state dict).
-OUR_KEYS_BY_VERSION = {0: _V0_KEYS, 1: _V1_KEYS, 2: _V2_KEYS, 3: _V3_KEYS}
+OUR_KEYS_BY_VERSION = {0: _V0_KEYS, 1: _V1_KEYS, 2: _V2_KEYS, 3: _V3_KEYS, 4: _V4_KEYS}
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +104,7 @@ def to_state_dict(state: ScalerState) -> dict[str, Any]:
         "scale_policy": SCALE_POLICIES[policy.fit],
         "_fit_margin": state.scale.margin,
         "_fit_window": list(state.scale.window),
+        "_fit_streak": state.scale.streak,
     }
 
 
@@ -191,6 +195,8 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> Sca
             "margin": _number(state_dict, "_fit_margin", int),
             "window": tuple(check_real("state_dict['_fit_window']", v) for v in window),
         }
+        if version >= 4:
+            fit_state["streak"] = _number(state_dict, "_fit_streak", int)
     policy = replace(current, **policy_changes)  # ScalePolicy validates the settings
     tracker = policy.hysteresis if hysteresis_tracker is None else hysteresis_tracker
     scale_state = ScaleState(scale, growth_tracker, tracker, **fit_state)
@@ -218,16 +224,24 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> Sca
     return ScalerState(policy=policy, scale=scale_state, counters=counters)
 
 
-# The slots of `DeviceState.counters` (`Counters`' fields; SINCE_OVERFLOW: steps since the last
-# overflow), and one more of their update, BACKOFF: the gradient overflow the policy backs off for.
+# The slots of `DeviceState.counters`: `Counters`' fields (SINCE_OVERFLOW: steps since the last
+# overflow), then the streaks the scaler watches: FLOOR_STREAK, consecutive gradient overflows
+# that left the scale at its floor (or, with `dynamic=False`, at its one value); LOSS_STREAK,
+# consecutive forward overflows. One more slot of their update, BACKOFF: the gradient overflow the
+# policy backs off for.
 Count = IntEnum(
-    "Count", "STEPS SKIPPED CONSECUTIVE SINCE_OVERFLOW FORWARD_OVERFLOWS RETRIES BACKOFF", start=0
+    "Count",
+    "STEPS SKIPPED CONSECUTIVE SINCE_OVERFLOW FORWARD_OVERFLOWS RETRIES FLOOR_STREAK LOSS_STREAK "
+    "BACKOFF",
+    start=0,
 )
+COUNTERS = Count.BACKOFF  # how many are kept
 
 
 # A step's update of the counters is `counters * keep + add`, `keep` and `add` linear in the
 # agreed flags s (skipped) and f (of which a forward overflow): per slot, (keep, add), each as
-# (constant, per s, per f). BACKOFF's `add` is s - f.
+# (constant, per s, per f). BACKOFF's `add` is s - f. FLOOR_STREAK's pair is then multiplied by
+# whether the scale is at its floor after the step (a forward overflow keeps it, and the scale).
 _UPDATE = {
     Count.STEPS: ((1, 0, 0), (1, 0, 0)),
     Count.SKIPPED: ((1, 0, 0), (0, 1, 0)),
@@ -235,6 +249,8 @@ _UPDATE = {
     Count.SINCE_OVERFLOW: ((1, -1, 0), (1, -1, 0)),
     Count.FORWARD_OVERFLOWS: ((1, 0, 0), (0, 0, 1)),
     Count.RETRIES: ((1, 0, 0), (0, 0, 0)),
+    Count.FLOOR_STREAK: ((0, 1, 0), (0, 1, -1)),
+    Count.LOSS_STREAK: ((0, 0, 1), (0, 0, 1)),
     Count.BACKOFF: ((0, 0, 0), (0, 1, -1)),
 }
 # as matrices: [keep..., add...] = base + [s, f] @ slopes
@@ -256,11 +272,11 @@ class DeviceState:
         growth_tracker: int32 scalar.
         hysteresis_tracker: int32 scalar.
         counters: float64, by `Count`: `[steps, skipped_steps, consecutive_skips, steps since the
-            last overflow, forward_overflows, retries]` (exact to 2**53). Steps since the last
-            overflow rather than its step number, because it updates with the same multiply-add as
-            the others.
-        count_terms: `_COUNT_TERMS` on this device (float32, 3 x 14: the base, then the slopes).
-        fit: float32 `[margin, window...]` of the `fit` policy (`ScaleState`'s).
+            last overflow, forward_overflows, retries, floor streak, loss streak]` (exact to
+            2**53). Steps since the last overflow rather than its step number, because it updates
+            with the same multiply-add as the others.
+        count_terms: `_COUNT_TERMS` on this device (float32, 3 x 18: the base, then the slopes).
+        fit: float32 `[margin, streak, window...]` of the `fit` policy (`ScaleState`'s).
         meter: float64 `[step, fraction, scale]`: the meter's last reading (`_meter_`; zeros: none).
     """
 
@@ -279,9 +295,9 @@ class DeviceState:
             scale=torch.empty((), dtype=torch.float32, device=device),
             growth_tracker=torch.empty((), dtype=torch.int32, device=device),
             hysteresis_tracker=torch.empty((), dtype=torch.int32, device=device),
-            counters=torch.zeros(6, dtype=torch.float64, device=device),
+            counters=torch.zeros(COUNTERS, dtype=torch.float64, device=device),
             count_terms=torch.tensor(_COUNT_TERMS, dtype=torch.float32, device=device),
-            fit=torch.empty(1 + len(state.scale.window), dtype=torch.float32, device=device),
+            fit=torch.empty(2 + len(state.scale.window), dtype=torch.float32, device=device),
             meter=torch.zeros(3, dtype=torch.float64, device=device),
         )
         device_state.write(state)
@@ -294,9 +310,10 @@ class DeviceState:
         self.hysteresis_tracker.fill_(state.scale.hysteresis_tracker)
         c = state.counters
         head = (c.steps, c.skipped_steps, c.consecutive_skips)  # in Count's order
-        values = (*head, c.steps - c.last_overflow_step, c.forward_overflows, c.retries)
-        self.counters.copy_(torch.tensor(values, dtype=torch.float64))
-        self.fit.copy_(torch.tensor([state.scale.margin, *state.scale.window]))
+        values = (*head, c.steps - c.last_overflow_step, c.forward_overflows, c.retries, 0, 0)
+        self.counters.copy_(torch.tensor(values, dtype=torch.float64))  # the streaks start afresh
+        fit = state.scale
+        self.fit.copy_(torch.tensor([fit.margin, fit.streak, *fit.window]))
 
     def apply_(
         self, policy: ScalePolicy, verdict: Verdict, manual: torch.Tensor | None = None
@@ -306,32 +323,33 @@ class DeviceState:
         Read from it: the agreed flags, by `Flag`, each exactly 0.0 or 1.0 (a forward overflow
         is a skip: never above the skip flag); whether the host read them and the step was not
         skipped (`read is False`: a plain step's decision), where the counts move by constants
-        (the flags' terms vanish), and there is no forward overflow to hold the scale for, nor
-        a backoff to floor: three kernels fewer; the bound of the largest scaled gradient
-        (`peak`, the fit's); the meter's counts (read at the scale the gradients carried,
-        before it moves). `manual`: set the scale to this instead of moving it
+        (the flags' terms vanish, the streaks end), and there is no forward overflow to hold the
+        scale for, nor a backoff to floor: kernels fewer; the bound of the largest scaled
+        gradient (`peak`, the fit's); the meter's counts (read at the scale the gradients
+        carried, before it moves). `manual`: set the scale to this instead of moving it
         (`update(new_scale=...)`).
         """
-        flags, clean, peak = verdict.flags, verdict.read is False, verdict.peak
+        flags, clean = verdict.flags, verdict.read is False
         terms = self.count_terms
         rows = terms[0] if clean else torch.addmm(terms[:1], flags.view(1, 2), terms[1:])
         keep, add = rows.view(2, len(Count))
-        torch.addcmul(add[: Count.BACKOFF], self.counters, keep[: Count.BACKOFF], out=self.counters)
+        torch.addcmul(add[:COUNTERS], self.counters, keep[:COUNTERS], out=self.counters)
         if verdict.counts is not None:  # counted this step, the scale not moved yet
             self._meter_(verdict.counts.double())
-        state = (self.scale, self.growth_tracker, self.hysteresis_tracker)
-        backoff = flags[Flag.SKIP] if clean else add[Count.BACKOFF]  # clean: 0
-        seen = None
-        if policy.fit and manual is None and peak is not None:  # by the scale they carried
-            seen = torch.where(flags[Flag.SKIP] > 0, 0.0, peak / self.scale)
         if manual is not None:
             self.scale.copy_(manual)
+        elif policy.fit:  # the fit's bound, by the scale the gradients carried
+            peak = verdict.peak if verdict.peak is not None else self.scale.new_zeros(())
+            policy.fit_(self.scale, self.hysteresis_tracker, self.fit, flags, peak / self.scale)
         elif clean:
-            policy.update_(*state, backoff, clean=True)
+            policy.update_(
+                self.scale, self.growth_tracker, self.hysteresis_tracker, flags[0], clean=True
+            )
         else:  # a gradient overflow backs off; a forward one holds
-            policy.update_(*state, backoff, flags[Flag.FORWARD])
-        if seen is not None:
-            policy.fit_(self.scale, self.fit, seen, backoff)
+            trackers = (self.growth_tracker, self.hysteresis_tracker)
+            policy.update_(self.scale, *trackers, add[Count.BACKOFF], flags[Flag.FORWARD])
+        if not clean and policy.dynamic:  # the floor streak goes on only at the floor
+            self.counters[Count.FLOOR_STREAK].mul_(self.scale <= policy.min_scale)
 
     def _meter_(self, counts: torch.Tensor) -> None:
         """Read the meter from the group's counts, on the device: the step, the fraction of
@@ -358,22 +376,27 @@ class DeviceState:
 
     def packed(self) -> torch.Tensor:
         """`[scale, growth_tracker, hysteresis_tracker, *counters, *fit, *meter]`, one float64
-        tensor.
+        tensor, in one kernel (a `cat` that promotes the dtypes).
 
         One host read then gets everything (`read`, and the step reports).
         """
         head = (self.scale, self.growth_tracker, self.hysteresis_tracker)
-        packed = [*(t.double().reshape(1) for t in head), self.counters, self.fit, self.meter]
-        return torch.cat(packed)
+        return torch.cat([*(t.reshape(1) for t in head), self.counters, self.fit, self.meter])
+
+
+# Where `DeviceState.packed()` holds the streaks: after the scale and its two trackers.
+PACKED_STREAKS = slice(3 + Count.FLOOR_STREAK, 3 + COUNTERS)
 
 
 def unpack(values: list[float]) -> tuple[ScaleState, Counters]:
-    """The host values of `DeviceState.packed()`."""
-    scale, growth, hysteresis, steps, skipped, consecutive, since, forward, retries = values[:9]
+    """The host values of `DeviceState.packed()` (the meter's three last are not read here)."""
+    scale, growth, hysteresis, *rest = values
+    steps, skipped, consecutive, since, forward, retries = rest[:6]  # the streaks: not state
     last_overflow = steps - since if skipped else 0
     counters = Counters(*map(int, (steps, skipped, consecutive, last_overflow, forward, retries)))
-    margin, *window = values[9:-3]  # the meter's 3 last
-    return ScaleState(scale, int(growth), int(hysteresis), int(margin), tuple(window)), counters
+    margin, streak, *window = rest[COUNTERS:-3]
+    trackers = (int(growth), int(hysteresis), int(margin))
+    return ScaleState(scale, *trackers, window=tuple(window), streak=int(streak)), counters
 
 
 class ScaleHome:

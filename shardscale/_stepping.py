@@ -201,7 +201,7 @@ class IterationBook:
             computes no loss, which takes the live one); its gradients are divided by exactly this.
         loss_nonfinite: bool scalar: some loss `scale()` multiplied in this iteration was inf or NaN
             (None: none was scaled on this rank).
-        losses: The losses themselves (detached), kept only to locate a forward overflow.
+        losses: The losses themselves (detached), to locate a forward overflow.
     """
 
     step: int
@@ -212,11 +212,12 @@ class IterationBook:
     loss_nonfinite: torch.Tensor | None = None
     losses: list[torch.Tensor] = field(default_factory=list)
 
-    def note_loss(self, loss: torch.Tensor, keep: bool, into: torch.Tensor | None) -> None:
+    def note_loss(self, loss: torch.Tensor, into: torch.Tensor | None) -> None:
         """Remember on the device whether `loss` is finite: two kernels (a third for a loss of
         several elements, and from the second loss on: gradient accumulation counts every
         micro-batch); no host synchronisation. The first loss's bit is written `into` that
-        tensor, if given (one a CUDA graph reads)."""
+        tensor, if given (one a CUDA graph reads). The loss is kept (a reference, no copy) to
+        locate a forward overflow."""
         if "torch.distributed.pipelining" in sys.modules and in_pipeline_shape_inference():
             return  # a loss of placeholder tensors (see there): nothing to check
         value = loss.detach()
@@ -228,8 +229,7 @@ class IterationBook:
             self.loss_nonfinite |= nonfinite
         else:
             self.loss_nonfinite = nonfinite if into is None else into.copy_(nonfinite)
-        if keep:
-            self.losses.append(value)
+        self.losses.append(value)
 
     def begin_unscale(
         self, optimizers: Iterable[torch.optim.Optimizer]
@@ -554,6 +554,14 @@ class Stepper:
             ShardScaleWarning,
             stacklevel=4,
         )
+
+    def locate_now(self, book: IterationBook, with_losses: bool) -> list[NonFiniteGrad]:
+        """Where the non-finite gradients of `book`'s optimizers are (and, `with_losses`, which
+        ranks' losses were non-finite), gathered from every rank: call it on every rank."""
+        named = [
+            pair for r in book.records.values() for pair in optimizer_named_params(r.optimizer)
+        ]
+        return locate(named, self.exchange, book.step, book.losses if with_losses else [])
 
     def _locate_if_overflowed(self, book: IterationBook, records: list[OptimizerRecord]) -> None:
         """With `locate_overflow`: on an overflow step, find and log the non-finite gradients

@@ -36,8 +36,15 @@ from shardscale._errors import ShardScaleWarning, no_scale_message
 from shardscale._exchange import Exchange, Flag, Verdict
 from shardscale._grads import grads_device, move, plain_replicas
 from shardscale._locate import NonFiniteGrad
-from shardscale._policy import ScalePolicy
-from shardscale._report import ScalerStats, StatsHook, StepReporter, stats_from, stats_of
+from shardscale._policy import MIN_SCALE, ScalePolicy
+from shardscale._report import (
+    Alarm,
+    ScalerStats,
+    StatsHook,
+    StepReporter,
+    stats_from,
+    stats_of,
+)
 from shardscale._state import Counters, ScaleHome, ScalerState, parse_state_dict, to_state_dict
 from shardscale._stepping import (
     Clip,
@@ -123,8 +130,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
         process_group: the ranks that must agree. None: the default (world) group.
         hysteresis: overflows tolerated before backing off, replenished on growth (Megatron,
             DeepSpeed). 1, the default, backs off at every overflow, as torch does.
-        min_scale: the floor (> 0), so the scale can never collapse to 0. Reaching it warns
-            once; steps that overflow there are skipped and the scale holds. Default 1.0.
+        min_scale: the floor (> 0), so the scale can never collapse to 0 (torch's does, under a
+            persistent NaN). Default 2**-24, fp16's smallest subnormal: the scale goes below 1
+            where the gradients need it (a loss summed over tokens), as torch's does; Megatron's
+            floor is 1.0. Reaching it warns once, saying whether the gradients hold NaN (a bug)
+            or inf (beyond fp16's range at this floor); steps that overflow there are skipped
+            and the scale holds, up to `max_overflows_at_floor`.
         max_scale: the ceiling for growth. None: no ceiling.
         dynamic: False keeps the scale fixed (use `init_scale=1.0` as a bf16 guard): non-finite
             steps are still skipped on every rank together.
@@ -139,7 +150,16 @@ class ShardedGradScaler(torch.amp.GradScaler):
             (one small collective and one host sync each time). 0, the default: never.
         max_consecutive_skips: raise [`ShardScaleSkipError`][shardscale.ShardScaleSkipError] (naming
             the step and the scale) when more consecutive steps than this are skipped (forward
-            overflows included), instead of skipping forever. None, the default: no limit.
+            overflows included), instead of skipping forever. None, the default: no limit. A
+            streak of 8 non-finite losses warns once, naming the ranks, whatever this says.
+        max_overflows_at_floor: raise
+            [`ShardScaleNonFiniteError`][shardscale.ShardScaleNonFiniteError] on every rank, at
+            the same `update()`, when this many consecutive steps' gradients were non-finite
+            with the scale at `min_scale` (with `dynamic=False`: at its one value), where
+            overflow no longer explains them; the message names the parameters (as
+            `locate_overflow` does) and says NaN or inf. Those steps are skipped: nothing is
+            written into the weights. A transient overflow never raises. Default 8; None: skip
+            them forever, as torch's scaler does.
         locate_overflow: on steps that overflow, find which parameters hold the inf/NaN gradients on
             which rank (and, on a forward overflow, which ranks' losses were non-finite:
             [`find_nonfinite_grads()`][shardscale.find_nonfinite_grads]), keep the records in
@@ -182,12 +202,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
         enabled: bool = True,
         process_group: dist.ProcessGroup | None = None,
         hysteresis: int = 1,
-        min_scale: float = 1.0,
+        min_scale: float = MIN_SCALE,
         max_scale: float | None = None,
         dynamic: bool = True,
         sync_timeout: timedelta | float | None = None,
         verify_every: int = 0,
         max_consecutive_skips: int | None = None,
+        max_overflows_at_floor: int | None = 8,
         locate_overflow: bool = False,
         max_retries: int = 3,
         scale_policy: str = "interval",
@@ -216,7 +237,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         # The one owner of the process group and its collectives: the stepper's exchange.
         exchange = Exchange(config.process_group, config.sync_timeout)
         self._stepper = Stepper(exchange, self._home, config)
-        self._reporter = StepReporter(config.max_consecutive_skips)
+        self._reporter = StepReporter(config.max_consecutive_skips, config.max_overflows_at_floor)
         # The iteration under way; its step number, counted on the host too (the device counts
         # the steps for replayed graphs), names the step in messages without a read.
         self._book = IterationBook(step=state.counters.steps + 1)
@@ -322,7 +343,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             captured = self._captured
             book.loss_scale = live.clone() if captured is None else captured[0].copy_(live)
         bit = None if self._captured is None else self._captured[1]
-        book.note_loss(output, keep=self._config.locate_overflow, into=bit)
+        book.note_loss(output, into=bit)
         return (output * move(book.loss_scale, output.device)).to(output.dtype)
 
     def unscale_(self, optimizer: OptimizerTarget) -> None:
@@ -499,6 +520,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
         skipped for a forward overflow (a non-finite loss on some rank) holds the scale, its
         trackers and the hysteresis allowance.
 
+        It also sounds the alarms, on every rank alike: the floor warning at the first gradient
+        overflow that leaves the scale at `min_scale`, the error after `max_overflows_at_floor`
+        of them in a row, a warning once a streak of 8 non-finite losses (each names where the
+        non-finite values are, with one gather). While such a streak is under way, a step
+        whose outcome the host did not read (a fused one) costs a host read here, on a GPU.
+
         Args:
             new_scale: set the scale to this value instead: a float in
                 `[min_scale, max_scale]`, or a one-element tensor without grad (taken as given:
@@ -506,6 +533,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
         Raises:
             RuntimeError: no optimizer was stepped or unscaled since the last update().
+            ShardScaleNonFiniteError: the gradients stayed non-finite at the floor
+                (`max_overflows_at_floor`); the scaler is ready for the next iteration.
         """
         if not self._enabled:
             return
@@ -517,17 +546,20 @@ class ShardedGradScaler(torch.amp.GradScaler):
             raise RuntimeError("No inf checks were recorded prior to update.")
         manual = None if new_scale is None else policy.new_scale_tensor(new_scale)
         taken = book.step if verdict is not None else book.step - 1  # the steps taken so far
+        alarm = None
         if verdict is not None:
             state.apply_(policy, verdict, manual)
-            self._reporter.push(state)
+            # a step the host did not read as clean: its streaks are watched
+            alarm = self._reporter.push(state, policy, watch=verdict.read is not False)
         elif manual is not None:
             state.scale.copy_(manual)
-        if state.scale.device.type == "cpu":  # reading the state costs no device synchronisation
-            self._reporter.warn_if_at_floor(state, policy, taken)
         self._book = IterationBook(step=taken + 1)
         verify_every = self._config.verify_every
         if verify_every and verdict is not None and taken % verify_every == 0:
             self.verify_agreement()
+        if alarm is not None:  # every rank alike: it names the parameters, with one gather
+            located = self._stepper.locate_now(book, with_losses=alarm is Alarm.LOSS_STREAK)
+            self._reporter.sound(alarm, located, taken, policy)
 
     def _loss_scale(
         self, funcname: str, source: Iterable[torch.optim.Optimizer] | list[torch.Tensor] | object
@@ -615,13 +647,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
         return list(self._stepper.last_overflow)
 
     def get_scale(self) -> float:
-        """Return the current scale (1.0 when disabled). Costs ONE host sync on an accelerator
-        (the scale and the floor warning's skipped-step count come in one read)."""
+        """Return the current scale (1.0 when disabled). Costs ONE host sync on an accelerator."""
         if not self._enabled:
             return 1.0
         if self._home.device is None:
             return self._home.host.scale.scale
-        return self._reporter.warn_if_at_floor(self._home.device, self.policy, self._book.step - 1)
+        return float(self._home.device.scale.item())
 
     def verify_agreement(self) -> None:
         """Check that every rank holds the same scaler state, in one small collective.

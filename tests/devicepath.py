@@ -146,11 +146,15 @@ class DeviceCounter(TorchDispatchMode):
         log: host syncs in order, ``("read", None)``, ``("to_cpu", None)`` (``_to_copy``) and
             ``("copy", value)`` (``copy_``), for tests of what comes before them; a test may
             replace it with a list it shares (the ``torch.cuda`` stubs' log).
+        landing: what a non-blocking copy lands as (None: ``value``).
     """
 
-    def __init__(self, value: float = 0.0) -> None:
+    def __init__(self, value: float = 0.0, landing: float | None = None) -> None:
         super().__init__()
         self.value = value
+        # what a non-blocking copy lands as (None: `value`), e.g. quiet streaks under flags
+        # that read "skipped"
+        self.landing = landing
         self.log: list[tuple[str, object]] = []
         self.reset()
 
@@ -213,8 +217,9 @@ class DeviceCounter(TorchDispatchMode):
             non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
             if source == META and destination.type == "cpu":
                 self.d2h.append(non_blocking)
-                self.log.append(("copy", self.value))
-                return args[0].fill_(self.value)
+                landed = self.value if self.landing is None or not non_blocking else self.landing
+                self.log.append(("copy", landed))
+                return args[0].fill_(landed)
             if source.type == "cpu" and destination == META:
                 self.h2d.append(non_blocking)
                 return func(*args, **kwargs)
@@ -352,7 +357,6 @@ class Case:
         hook: register a stats hook.
         query: after the step, count only this (``"get_scale"``, ``"last_step_skipped"``,
             ``"state_dict"``, ``"stats"``, ``"scale"``: the next ``scale(loss)``), not the step.
-        needs_stubs: the case runs the reporter's accelerator branch (``torch.cuda`` stubs).
     """
 
     flavour: str
@@ -362,10 +366,6 @@ class Case:
     cpu_grads: int = 0
     hook: bool = False
     query: str | None = None
-
-    @property
-    def needs_stubs(self) -> bool:
-        return self.hook or self.options.get("max_consecutive_skips") is not None
 
 
 def _cases() -> dict[str, Case]:
@@ -417,13 +417,22 @@ def measure(
 ) -> Counts:
     """Run ``case`` for ``steps`` steps from a fresh scaler; the counts of the last step.
 
-    Raises:
-        ValueError: the case needs ``torch.cuda`` stubs and none were given.
+    The reporter's accelerator branch (the alarms' watch after every fused step, hooks,
+    ``max_consecutive_skips``) runs on ``torch.cuda`` stubs: ``stubs`` if given (to read what
+    they recorded), else stubs of its own for the call.
     """
+    if stubs is None:
+        with pytest.MonkeyPatch.context() as patch:
+            return measure(
+                case,
+                params=params,
+                dtypes=dtypes,
+                steps=steps,
+                value=value,
+                stubs=install_cuda_stubs(patch),
+            )
     from shardscale import ShardedGradScaler
 
-    if case.needs_stubs and stubs is None:
-        raise ValueError("this case runs the reporter's accelerator branch: pass stubs=")
     grads = meta_params(params, dtypes, cpu=case.cpu_grads)
     optimizer = (Fused if case.flavour == "fused" else Plain)(grads)
     scaler = ShardedGradScaler(**case.options)

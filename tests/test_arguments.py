@@ -52,7 +52,7 @@ def test_cuda_named_without_cuda_warns_and_disables_like_torch() -> None:
             r"growth_factor must be a finite number > 1.0, got 0.5",
         ),
         ({"hysteresis": 0}, ValueError, r"hysteresis must be >= 1, got 0"),
-        ({"max_scale": 0.1}, ValueError, r"max_scale must be >= min_scale"),
+        ({"max_scale": 1e-9}, ValueError, r"max_scale must be >= min_scale"),
     ],
 )
 def test_constructor_bad_argument_raises_rule_and_value(

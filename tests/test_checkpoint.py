@@ -142,4 +142,4 @@ def test_dcp_format_zero_checkpoint_loads_with_a_partial_load(tmp_path: Path) ->
     for result in run_ranks(_rank_format_zero_checkpoint, 2, str(tmp_path / "v0")):
         assert "Missing key in checkpoint state_dict: scaler." in result["strict_error"]
         assert result["new"] == result["old"]
-        assert result["new"]["format_version"] == 3
+        assert result["new"]["format_version"] == 4

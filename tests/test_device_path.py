@@ -97,9 +97,11 @@ def test_guides_device_table_row_matches_measured_counts(label: str, stubs: Cuda
 
 
 @pytest.mark.parametrize("clip", [False, True], ids=["step", "clip"])
-def test_fused_step_with_or_without_clip_no_host_read_no_device_to_host_copy(clip: bool) -> None:
+def test_fused_step_with_or_without_clip_no_host_read_no_blocking_copy(clip: bool) -> None:
+    """No host synchronisation: the one device->host copy is the alarms' watch of the streaks,
+    non-blocking, waited for an update later (when the device has long finished it)."""
     counts = measure(Case("fused", clip=clip))
-    assert (counts.host_reads, counts.d2h_blocking, counts.d2h_async) == (0, 0, 0)
+    assert (counts.host_reads, counts.d2h_blocking, counts.d2h_async) == (0, 0, 1)
 
 
 @pytest.mark.parametrize(
@@ -118,12 +120,12 @@ def test_plain_step_at_most_one_host_read_no_copy(case: Case) -> None:
     assert (counts.d2h_blocking, counts.d2h_async) == (0, 0)
 
 
-@pytest.mark.parametrize(("flavour", "most"), [("plain", 17), ("fused", 21)])
+@pytest.mark.parametrize(("flavour", "most"), [("plain", 17), ("fused", 23)])
 def test_clip_step_update_kernels_within_torchs_plus_updates_own(flavour: str, most: int) -> None:
     """torch.amp's `unscale_` + foreach clip + `step` + `update`: 16 and 17 kernels. Ours: the
     same 15 for the clip, then `update()`'s own: its device counters (1 after a plain step, 2
-    after a fused one) and, after a fused step only, the forward-overflow hold (2) and the floor
-    (1) (docs/benchmarks.md)."""
+    after a fused one) and, after a fused step only, the forward-overflow hold (2), the floor
+    (1) and the floor streak (2) (docs/benchmarks.md)."""
     counts = measure(Case(flavour, clip=True))
     assert counts.kernels <= most
 

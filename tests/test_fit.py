@@ -103,6 +103,28 @@ def test_fit_overflow_halves_and_widens_the_margin_a_forward_overflow_holds() ->
     assert (after["scale"], after["_fit_margin"]) == (before["scale"], before["_fit_margin"])
 
 
+def test_fit_leaves_a_start_far_too_high_in_a_few_skips() -> None:
+    """From 2**32 (Megatron's default) to gradients that fit 2**18: 1, 2, 4, then 8 halvings
+    (four skipped steps, not fourteen), then the first clean step fits the scale."""
+    scaler, model, optimizer = _setup(init_scale=2.0**32)
+    grad = torch.full((8,), 0.3)  # fits up to 2**16 / 0.5 = 2**17
+    scales = []
+    for _ in range(6):
+        optimizer.zero_grad()
+        scaled = scaler.get_scale() * grad
+        overflows = bool((scaled > 65504).any())  # what fp16 would do to the planted gradient
+        _step(
+            scaler,
+            model,
+            optimizer,
+            torch.where(scaled > 65504, math.inf, grad) if overflows else grad,
+        )
+        scales.append(math.log2(scaler.get_scale()))
+    assert scales == [31, 29, 25, 17, 17, 17]
+    assert scaler.stats.skipped_steps == 4
+    assert scaler.state_dict()["_fit_streak"] == 0
+
+
 def test_fit_keeps_the_floor_and_ceiling_and_the_hysteresis() -> None:
     scaler, model, optimizer = _setup(max_scale=2.0**20)
     _step(scaler, model, optimizer, torch.full((8,), 3e-9))
@@ -150,14 +172,15 @@ def test_fit_state_dict_round_trips_and_older_formats_load() -> None:
     for grad in (0.3, math.inf, 0.3e-3):
         _step(scaler, model, optimizer, torch.full((8,), grad))
     state = scaler.state_dict()
-    assert state["format_version"] == 3
+    assert state["format_version"] == 4
     assert state["scale_policy"] == "fit"
+    assert state["_fit_streak"] == 0  # the clean step ended it
     assert state["_fit_margin"] == FIT_MARGIN + 1
     assert state["_fit_window"][:3] == [2.0**-11, 0.0, 2.0**-1]  # newest first; 0: skipped
     other = ShardedGradScaler()  # "interval": the checkpoint's policy is taken, as its settings
     other.load_state_dict(state)
     assert other.state_dict() == state
-    fit_keys = ("scale_policy", "_fit_margin", "_fit_window")
+    fit_keys = ("scale_policy", "_fit_margin", "_fit_window", "_fit_streak")
     older = {k: v for k, v in state.items() if k not in fit_keys}
     older["format_version"] = 2
     fresh = ShardedGradScaler(scale_policy="fit")
@@ -178,6 +201,7 @@ def test_fit_state_dict_round_trips_and_older_formats_load() -> None:
             r"\['scale_policy'\] must be one of \('interval', 'fit'\), got 'amax'",
         ),
         ("_fit_margin", 99, r"_fit_margin must be in \[0, 8\], got 99"),
+        ("_fit_streak", 5, r"_fit_streak must be in \[0, 4\], got 5"),
         ("_fit_window", [1.0] * 3, r"_fit_window must be 16 finite numbers >= 0"),
         ("_fit_window", [-1.0] * 16, r"_fit_window must be 16 finite numbers >= 0"),
         ("_fit_window", 1.0, r"state_dict\['_fit_window'\] must be a list, got 1.0"),
@@ -248,7 +272,8 @@ def test_fit_fused_step_adds_no_host_read_on_the_device_path(clip: bool) -> None
     from tests.devicepath import Case, measure
 
     counts = measure(Case("fused", {"scale_policy": "fit"}, clip=clip))
-    assert (counts.host_reads, counts.d2h_blocking, counts.d2h_async) == (0, 0, 0)
+    default = measure(Case("fused", clip=clip))  # its one non-blocking copy: the alarms' watch
+    assert (counts.host_reads, counts.d2h_blocking, counts.d2h_async) == (0, 0, default.d2h_async)
 
 
 def _ranks_verify(rank: int, world_size: int) -> str:
@@ -285,7 +310,12 @@ def test_policies_bench_runs_and_the_fit_arrives_from_a_cold_start(tmp_path: Any
 
     script = str(ROOT / "launch" / "bench" / "scale_policies.py")
     out = tmp_path / "policies.json"
-    torchrun(2, "--steady", "40", "--recover", "40", "--json", str(out), script=script)
+    torchrun(
+        2,
+        *("--steady", "40", "--recover", "40", "--summed", "60", "--nan", "60"),
+        *("--json", str(out)),
+        script=script,
+    )
     found = json.loads(out.read_text())
     rows = {row["policy"]: row for row in found["rows"]}
     assert len(rows) == 5
@@ -302,6 +332,23 @@ def test_policies_bench_runs_and_the_fit_arrives_from_a_cold_start(tmp_path: Any
         assert rows[name]["meter_mean"] is not None
         assert rows[name]["meter_max_gap"] < 0.01
     assert rows["torch.amp.GradScaler"]["meter_mean"] is None
+    # fp16's whole range: the summed loss and a NaN at every scale (docs/scale-policies.md)
+    fit, ours, torchs = (
+        rows[name]
+        for name in (
+            'shardscale, scale_policy="fit"',
+            "shardscale (default)",
+            "torch.amp.GradScaler",
+        )
+    )
+    assert fit["cold_2_32"]["arrived"]
+    assert fit["cold_2_32"]["skips"] <= 5
+    assert fit["summed"]["skips"] <= 8
+    assert ours["summed"]["skips"] <= torchs["summed"]["skips"]
+    assert ours["nan"]["error"] == "ShardScaleNonFiniteError at step 47"
+    assert fit["nan"]["error"] is not None
+    assert torchs["nan"]["error"] is None
+    assert all(row["nan"]["weights_finite"] for row in rows.values())
 
 
 def test_fit_resumes_through_dcp_at_another_world_size_and_the_ranks_agree(tmp_path: Any) -> None:

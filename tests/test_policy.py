@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shardscale import ScalePolicy, ScaleState
+from shardscale._policy import FIT_MAX_STREAK, FIT_WINDOW, MIN_SCALE
 
 
 @pytest.mark.parametrize(
@@ -30,7 +31,11 @@ from shardscale import ScalePolicy, ScaleState
         ({"min_scale": 0.0}, ValueError, r"min_scale must be a finite number > 0"),
         ({"min_scale": 1e-50}, ValueError, r"min_scale .*float32.* got 1e-50"),
         ({"min_scale": -1.0}, ValueError, r"min_scale .* got -1.0"),
-        ({"max_scale": 0.5}, ValueError, r"max_scale must be >= min_scale \(1.0\) or inf, got 0.5"),
+        (
+            {"max_scale": 1e-9},
+            ValueError,
+            r"max_scale must be >= min_scale \(5.96046\d*e-08\) or inf, got 1e-09",
+        ),
         ({"max_scale": math.nan}, ValueError, r"max_scale .* got nan"),
         ({"dynamic": 1}, TypeError, r"dynamic must be a bool, got int"),
     ],
@@ -46,7 +51,7 @@ def test_policy_bad_setting_raises_rule_and_value(
     ("settings", "init_scale", "error", "match"),
     [
         ({}, math.inf, ValueError, r"init_scale must be finite, got inf"),
-        ({}, 0.5, ValueError, r"init_scale must be in \[min_scale, max_scale\]"),
+        ({}, 1e-9, ValueError, r"init_scale must be in \[min_scale, max_scale\]"),
         ({"max_scale": 2.0**16}, 2.0**20, ValueError, r"init_scale must be in"),
         ({}, "8", TypeError, r"init_scale must be a float, got str"),
     ],
@@ -122,3 +127,74 @@ def test_policy_static_never_moves() -> None:
     state = policy.initial_state(1.0)
     for found_inf in [True, False, False, True]:
         assert policy.next(state, found_inf) == state
+
+
+def test_policy_default_floor_is_fp16s_smallest_subnormal_and_holds() -> None:
+    """Below 1 where the gradients need it, as torch's scale goes; never to 0, as torch's does
+    under a persistent NaN (it halves to 0.0 in ~166 steps)."""
+    policy = ScalePolicy()
+    assert policy.min_scale == MIN_SCALE == 2.0**-24
+    state = policy.initial_state(2.0**16)
+    scales = []
+    for _ in range(60):
+        state = policy.next(state, True)
+        scales.append(state.scale)
+    assert scales[25] == 2.0**-10  # one halving per overflow, as torch's
+    assert scales[39:] == [2.0**-24] * 21  # the floor, reached after 40, holds
+
+
+def test_policy_interval_rule_keeps_the_fits_state() -> None:
+    """`next()` under the interval rule moves only what that rule moves."""
+    state = ScaleState(1024.0, 0, 1, margin=3, window=(2.0**-5,) * FIT_WINDOW, streak=2)
+    after = ScalePolicy().next(state, False)
+    assert (after.margin, after.window, after.streak) == (3, state.window, 2)
+
+
+def _fit_case(rng: random.Random) -> tuple[float, ScalePolicy]:
+    max_scale = rng.choice([math.inf, 2.0**20])
+    init_scale = min(max_scale, rng.choice([1.0, 2.0**16, 2.0**32]))
+    return init_scale, ScalePolicy(
+        backoff_factor=rng.choice([0.5, 0.7, 0.25]),
+        hysteresis=rng.choice([1, 1, 2]),
+        min_scale=rng.choice([MIN_SCALE, 1.0, 2.0**-4]),
+        max_scale=max_scale,
+        fit=True,
+    )
+
+
+def test_policy_fit_update_matches_reference_bit_for_bit() -> None:
+    """The fit's device maths (`fit_`) equals its definition (`next`), forward overflows,
+    hysteresis, the floor and the ceiling included."""
+    for trial in range(200):
+        rng = random.Random(trial)
+        init_scale, policy = _fit_case(rng)
+        state = policy.initial_state(init_scale)
+        scale = torch.tensor(state.scale)
+        hysteresis = torch.tensor(state.hysteresis_tracker, dtype=torch.int32)
+        fit = torch.tensor([0.0, 0.0, *state.window])
+        for step in range(40):
+            found_inf = rng.random() < 0.4
+            forward = found_inf and rng.random() < 0.2
+            seen = 0.0 if found_inf or rng.random() < 0.1 else 2.0 ** rng.randint(-30, 10)
+            state = policy.next(state, found_inf, forward, seen)
+            flags = torch.tensor([float(found_inf), float(forward)])
+            policy.fit_(scale, hysteresis, fit, flags, torch.tensor(seen) * 1.0)
+            margin, streak, *window = fit.tolist()
+            device = ScaleState(
+                scale.item(), 0, int(hysteresis.item()), int(margin), tuple(window), int(streak)
+            )
+            assert device == state, f"trial {trial} step {step}: {policy}"
+
+
+def test_policy_fit_backs_off_faster_while_overflows_last() -> None:
+    """1, 2, 4, 8, then 16 halvings at a time; a clean step fits the scale and ends the streak."""
+    policy = ScalePolicy(fit=True)
+    state = policy.initial_state(2.0**32)
+    exponents = []
+    for _ in range(6):
+        state = policy.next(state, True)
+        exponents.append(math.log2(state.scale))
+    assert exponents == [31, 29, 25, 17, 1, -15]
+    assert state.streak == FIT_MAX_STREAK
+    state = policy.next(state, False, seen=2.0**-2)
+    assert (state.scale, state.streak) == (2.0**18, 0)  # 2**16 / the bound, in one step

@@ -119,10 +119,11 @@ def test_property_state_dict_round_trips_ours_and_through_torch(
         "scale": torch.tensor(state["scale"]).item() if materialized else state["scale"],
         "forward_overflows": 0,
         "retries": 0,
-        "format_version": 3,
+        "format_version": 4,
         "scale_policy": "interval",
         "_fit_margin": FIT_MARGIN,
         "_fit_window": [0.0] * FIT_WINDOW,
+        "_fit_streak": 0,
     }
     assert ours.state_dict() == expected
     theirs = torch.amp.GradScaler("cpu")

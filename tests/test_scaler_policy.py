@@ -90,10 +90,13 @@ def test_scaler_at_floor_holds_keeps_skipping_and_warns_once() -> None:
 
 
 def test_scaler_default_floor_stops_collapse_to_zero() -> None:
-    """torch.amp.GradScaler halves to 0.0 after ~166 overflows; ours stops at min_scale=1."""
-    scaler = ShardedGradScaler(init_scale=2.0**4)
-    with pytest.warns(ShardScaleWarning):
-        assert overflow_steps(scaler, [True] * 8)[-1] == 1.0
+    """torch.amp.GradScaler halves to 0.0 after ~166 overflows; ours stops at min_scale=2**-24
+    (skipping forever there: `max_overflows_at_floor=None`)."""
+    scaler = ShardedGradScaler(init_scale=2.0**4, max_overflows_at_floor=None)
+    with pytest.warns(ShardScaleWarning, match=r"backed off to min_scale=5.96046\d*e-08"):
+        scales = overflow_steps(scaler, [True] * 40)
+    assert scales[:4] == [8.0, 4.0, 2.0, 1.0]  # below 1 where it must, as torch's
+    assert scales[27:] == [2.0**-24] * 13
 
 
 def test_scaler_static_skips_nonfinite_but_never_moves() -> None:
@@ -122,7 +125,11 @@ def test_update_new_scale_sets_it() -> None:
 @pytest.mark.parametrize(
     ("new_scale", "error", "match"),
     [
-        (0.5, ValueError, r"new_scale must be in \[min_scale, max_scale\] = \[1.0, inf\], got 0.5"),
+        (
+            1e-9,
+            ValueError,
+            r"new_scale must be in \[min_scale, max_scale\] = \[5.96046\d*e-08, inf\], got 1e-09",
+        ),
         (math.nan, ValueError, r"new_scale must be finite, got nan"),
         (torch.ones(2), ValueError, r"one-element tensor .* got shape \(2,\)"),
         ("8", TypeError, r"new_scale must be a float or a tensor, got str"),

@@ -51,7 +51,8 @@ def test_load_state_dict_before_first_scale_is_used_by_it() -> None:
 
 
 _GOOD = ShardedGradScaler(init_scale=8.0, growth_interval=4, hysteresis=2).state_dict()
-_FIT_KEYS = ("scale_policy", "_fit_margin", "_fit_window")  # what format 2 lacks
+_STREAK_KEY = "_fit_streak"  # what format 3 lacks
+_FIT_KEYS = ("scale_policy", "_fit_margin", "_fit_window", _STREAK_KEY)  # what format 2 lacks
 _V2_KEYS = ("format_version", "forward_overflows", "retries", *_FIT_KEYS)  # what format 0 lacks
 
 
@@ -79,7 +80,7 @@ _V2_KEYS = ("format_version", "forward_overflows", "retries", *_FIT_KEYS)  # wha
         ({**_GOOD, "scale": 0.0}, ValueError, r"must be finite and > 0, got 0.0"),
         ({**_GOOD, "scale": -2.0}, ValueError, r"got -2.0"),
         ({**_GOOD, "scale": math.inf}, ValueError, r"got inf"),
-        ({**_GOOD, "scale": 0.5}, ValueError, r"scale must be in \[min_scale, max_scale\]"),
+        ({**_GOOD, "scale": 1e-9}, ValueError, r"scale must be in \[min_scale, max_scale\]"),
         (
             {**_GOOD, "_growth_tracker": 4},
             ValueError,
@@ -110,9 +111,10 @@ _V2_KEYS = ("format_version", "forward_overflows", "retries", *_FIT_KEYS)  # wha
         ),
         ([("scale", 1.0)], TypeError, r"state_dict must be a mapping, got list"),
         (
-            {**_GOOD, "format_version": 4},
+            {**_GOOD, "format_version": 5},
             ValueError,
-            r"format_version'\] must be one of \[0, 1, 2, 3\], got 4: a newer shardscale saved it",
+            r"format_version'\] must be one of \[0, 1, 2, 3, 4\], got 5: a newer shardscale saved "
+            r"it",
         ),
         (
             {**_GOOD, "forward_overflows": 1},
@@ -127,8 +129,8 @@ _V2_KEYS = ("format_version", "forward_overflows", "retries", *_FIT_KEYS)  # wha
         (
             {k: v for k, v in _GOOD.items() if k != "format_version"},
             ValueError,
-            r"format version 3's key\(s\) \['_fit_margin', '_fit_window', 'forward_overflows', "
-            r"'retries', 'scale_policy'\] but no 'format_version'",
+            r"format version 4's key\(s\) \['_fit_margin', '_fit_streak', '_fit_window', "
+            r"'forward_overflows', 'retries', 'scale_policy'\] but no 'format_version'",
         ),
         (
             {k: v for k, v in _GOOD.items() if k != "hysteresis"},
@@ -149,17 +151,18 @@ def test_load_bad_state_dict_raises_and_leaves_scaler_unchanged(
     assert scaler.get_growth_interval() == 3
 
 
-@pytest.mark.parametrize("version", [0, 1, 2])
+@pytest.mark.parametrize("version", [0, 1, 2, 3])
 def test_state_dict_is_versioned_and_older_formats_still_load(version: int) -> None:
     """shardscale 0.1 saved no format_version (format 0), format 1 no forward-overflow and
-    retry counters, format 2 no fit state: their checkpoints keep loading, those counters
-    starting at 0, the fit margin and window afresh."""
+    retry counters, format 2 no fit state, format 3 no fit streak: their checkpoints keep
+    loading, those counters starting at 0, the fit margin, window and streak afresh."""
     scaler = ShardedGradScaler(init_scale=16.0, growth_interval=3, hysteresis=2)
     overflow_steps(scaler, [False, True, False])
     saved = scaler.state_dict()
-    assert saved["format_version"] == 3
+    assert saved["format_version"] == 4
     assert (saved["forward_overflows"], saved["retries"]) == (0, 0)
-    new_keys = set(_FIT_KEYS) | ({"forward_overflows", "retries"} if version < 2 else set())
+    new_keys = {_STREAK_KEY} if version == 3 else set(_FIT_KEYS)
+    new_keys |= {"forward_overflows", "retries"} if version < 2 else set()
     old = {k: v for k, v in saved.items() if k not in new_keys | {"format_version"}}
     if version:
         old["format_version"] = version

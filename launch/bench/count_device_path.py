@@ -16,7 +16,10 @@ lifts that check so that the foreach ops of its CUDA path are counted.
 
 Run: ``python launch/bench/count_device_path.py`` (prints docs/benchmarks.md's table).
 Uses only the public APIs of torch and shardscale; the test suite's own counter
-(tests/devicepath.py) checks these numbers and docs/benchmarks.md.
+(tests/devicepath.py) checks these numbers and docs/benchmarks.md. On ``meta`` a CPU build of
+torch has no CUDA events or pinned memory, which ours uses after a fused step (a non-blocking
+copy of the alarms' streaks, waited for an update later): ``_cuda_stand_ins`` records nothing
+and lets that run, so its copy is counted as on a GPU.
 
 ``--device cuda`` (``launch/gpu_check.sh``) counts the same steps on a GPU with the same rule,
 host reads and copies for real, and adds the CUDA kernels and memory operations that the
@@ -26,6 +29,8 @@ profiler saw launched: what the meta count stands in for.
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -114,6 +119,31 @@ class Fused(Plain):
     _step_supports_amp_scaling = True
 
 
+class _Event:
+    def record(self, stream: object = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def _cuda_stand_ins() -> Iterator[None]:
+    """On a CPU build: CUDA events and streams that do nothing, and ``pin_memory`` ignored."""
+    empty = torch.empty
+    saved = {name: getattr(torch.cuda, name) for name in ("Event", "current_stream", "device")}
+    torch.cuda.Event = _Event  # type: ignore[misc, assignment]
+    torch.cuda.current_stream = lambda device=None: None  # type: ignore[assignment]
+    torch.cuda.device = lambda device: contextlib.nullcontext()  # type: ignore[assignment, misc]
+    torch.empty = lambda *args, pin_memory=False, **kwargs: empty(*args, **kwargs)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.empty = empty  # type: ignore[assignment]
+        for name, value in saved.items():
+            setattr(torch.cuda, name, value)
+
+
 def count(
     scaler_name: str, flavour: str, clip: bool, steps: int = 3, device: torch.device = META
 ) -> tuple[int, ...]:
@@ -128,8 +158,9 @@ def count(
     profiler = profile(activities=[ProfilerActivity.CUDA]) if cuda else None
     original = clip_grad._device_has_foreach_support  # type: ignore[attr-defined]
     clip_grad._device_has_foreach_support = lambda device: True  # type: ignore[attr-defined]
+    stand_ins = _cuda_stand_ins() if device == META else contextlib.nullcontext()
     try:
-        with counter:
+        with counter, stand_ins:
             for step in range(steps):
                 scaler.scale(torch.ones((), device=device))
                 for p in params:

@@ -9,8 +9,9 @@ batches under each policy, and once in fp32. The policies, each as its users con
 
 * `torch.amp.GradScaler`: double after 2,000 clean steps, halve on an overflow;
 * verl: torch's scaler with `growth_interval=400`, as verl hard-codes it;
-* Megatron-LM: a window of 1,000 clean steps, hysteresis 2, floor 1
-  (`shardscale.ShardedGradScaler(growth_interval=1000, hysteresis=2)`, which is that policy);
+* Megatron-LM: a window of 1,000 clean steps, hysteresis 2, floor 1, skipping forever there
+  (`shardscale.ShardedGradScaler(growth_interval=1000, hysteresis=2, min_scale=1.0,
+  max_overflows_at_floor=None)`, which is that policy);
 * `shardscale.ShardedGradScaler()`: its default, torch's rule agreed across ranks;
 * `shardscale.ShardedGradScaler(scale_policy="fit")`: the scale that fits the gradients.
 
@@ -30,7 +31,13 @@ backwards at 2^40, 2^39, ... until all are finite (outside training). Three runs
    (`stats.underflow`: the step's own fp16 backward, every rank's non-zero elements; ours run
    with `underflow_every=1` here, the default being 100);
 2. **cold start at 1**, and 3. **cold start at 2^32**: steps and skips until within 2x of the
-   working scale of the starting weights (`--recover` steps at most).
+   working scale of the starting weights (`--recover` steps at most);
+4. **a loss summed over the batch**, times 2^20 (a summed token loss: gradients so large that
+   fp16 overflows at scale 1), from the default 2^16 for `--summed` steps: skips, and steps
+   taken of the last 100;
+5. **a NaN at every scale** (one weight's gradient planted NaN after every backward: a bug, not an
+   overflow), from 2^16 for up to `--nan` steps: where the run ends (an error, and at which step)
+   or the scale it holds after skipping every step.
 
 A policy that has not arrived when its run ends is reported as `>N`, with the doublings it still
 needed (times its growth interval: the steps a blind rule would take). The final loss (the mean
@@ -45,6 +52,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,7 +62,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from shardscale import ShardedGradScaler
+from shardscale import ShardedGradScaler, ShardScaleWarning
 
 SHRINK = 1e-3
 BATCH, WIDTH, DEPTH = 64, 128, 4
@@ -63,6 +71,8 @@ WARM_UP = 1000
 PROBE_BATCHES = 8
 """The working scale is probed on this many consecutive steps' batches (the largest scale at
 which none of them overflows), so one lucky batch does not set it."""
+SUMMED_GAIN = 2.0**20
+"""Run 4's loss: the squared errors summed over the batch (64 rows, 128 outputs), times this."""
 LOSS_GAIN = 32.0
 """The loss is the MSE times this, so that the working scale at the start is about 2^18 (the
 issue's MLP): the shrink then brings the scaled gradients' small end near fp16's subnormals."""
@@ -74,8 +84,14 @@ POLICIES: dict[str, tuple[Callable[[float], Scaler], int]] = {
         lambda s: torch.amp.GradScaler("cpu", init_scale=s, growth_interval=400),
         400,
     ),
-    "Megatron-LM (window 1000, hysteresis 2)": (
-        lambda s: ShardedGradScaler(init_scale=s, growth_interval=1000, hysteresis=2),
+    "Megatron-LM (window 1000, hysteresis 2, floor 1)": (
+        lambda s: ShardedGradScaler(
+            init_scale=s,
+            growth_interval=1000,
+            hysteresis=2,
+            min_scale=1.0,
+            max_overflows_at_floor=None,
+        ),
         1000,
     ),
     # ours read the underflow meter every step here (by default every 100th), so that its
@@ -104,9 +120,14 @@ def batch(step: int, rank: int, teacher: nn.Module) -> tuple[torch.Tensor, torch
         return inputs, teacher(inputs)
 
 
-def loss_of(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, fp16: bool) -> Any:
+def loss_of(
+    model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, fp16: bool, summed: bool = False
+) -> Any:
     with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
-        return nn.functional.mse_loss(model(inputs).float(), targets) * LOSS_GAIN
+        outputs = model(inputs).float()
+    if summed:
+        return nn.functional.mse_loss(outputs, targets, reduction="sum") * SUMMED_GAIN
+    return nn.functional.mse_loss(outputs, targets) * LOSS_GAIN
 
 
 def grads(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, fp16: bool, scale: float):
@@ -201,6 +222,41 @@ def train(
     }
 
 
+def train_range(make: Callable[[float], Scaler], steps: int, teacher: nn.Module, nan: bool) -> Any:
+    """Run 4 (`nan` False: the summed loss) or 5 (a NaN planted in one weight's gradient after
+    every backward), from 2^16, on the same batches: what each step did, and how it ended."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = MLP()
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = make(2.0**16)
+    taken, error = [], None
+    for step in range(steps):
+        inputs, targets = batch(step, rank, teacher)
+        optimizer.zero_grad()
+        scaler.scale(loss_of(ddp, inputs, targets, True, summed=not nan)).backward()
+        if nan:
+            model[0].weight.grad[0, 0] = math.nan
+        before = _steps_taken(optimizer)
+        try:
+            scaler.step(optimizer)
+            scaler.update()
+        except RuntimeError as caught:  # ours: ShardScaleNonFiniteError
+            error = f"{type(caught).__name__} at step {step + 1}"
+            break
+        taken.append(_steps_taken(optimizer) > before)
+    finite = all(bool(p.isfinite().all()) for p in model.parameters())
+    return {
+        "skips": taken.count(False),
+        "last_100": sum(taken[-100:]),
+        "steps": len(taken),
+        "scale": scaler.get_scale(),
+        "error": error,
+        "weights_finite": finite,
+    }
+
+
 def _steps_taken(optimizer: torch.optim.Optimizer) -> float:
     state = optimizer.state.get(optimizer.param_groups[0]["params"][0], {})
     return float(state.get("step", 0))
@@ -238,11 +294,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steady", type=int, default=3000, help="steps before the shrink")
     parser.add_argument("--recover", type=int, default=1000, help="steps after it; cold runs")
+    parser.add_argument("--summed", type=int, default=300, help="steps of the summed loss")
+    parser.add_argument("--nan", type=int, default=200, help="steps at most with a NaN planted")
     parser.add_argument("--json", type=Path, help="write the rows and the runs here")
     parser.add_argument("--plot", type=Path, help="write the plot here (needs matplotlib)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
+    warnings.simplefilter("ignore", ShardScaleWarning)  # run 5's floor warning: in the table
     rank = dist.get_rank()
     torch.manual_seed(1234)
     teacher = MLP()
@@ -260,6 +319,8 @@ def main() -> None:
         main_run = train(make, working0, total, teacher, shrink_at=args.steady)
         cold1 = train(make, 1.0, args.recover, teacher)
         cold32 = train(make, 2.0**32, args.recover, teacher)
+        summed = train_range(make, args.summed, teacher, nan=False)
+        nan = train_range(make, args.nan, teacher, nan=True)
         runs[name] = {"main": main_run, "cold 1": cold1, "cold 2^32": cold32}
         warm = min(WARM_UP, args.steady // 2)
         first_skips = sum(main_run["skipped"][:warm])
@@ -281,6 +342,8 @@ def main() -> None:
                 "meter_max_gap": max((abs(m - f) for f, m in metered), default=None),
                 "cold_1": arrival(cold1, 0, working0, interval),
                 "cold_2_32": arrival(cold32, 0, working0, interval),
+                "summed": summed,
+                "nan": nan,
                 "final_loss": final,
                 "vs_fp32": final / fp32_loss - 1.0,
             }
@@ -320,6 +383,19 @@ def _report(
             f"| {row['vs_fp32']:+.2%} |"
         )
     print(f"\nfp32 final loss {fp32_loss:.5f}")
+    print(
+        f"\n| policy | summed loss from 2^16: skipped of {args.summed} | steps taken of the "
+        f"last 100 | its scale then | a NaN at every scale, from 2^16 (at most {args.nan} steps) |"
+    )
+    print("|---|---:|---:|---:|---|")
+    for row in rows:
+        summed, nan = row["summed"], row["nan"]
+        ended = nan["error"] or f"skipped {nan['skips']} of {nan['steps']}, scale {nan['scale']:g}"
+        ended += "" if nan["weights_finite"] else ", weights NaN"
+        print(
+            f"| {row['policy']} | {summed['skips']} | {summed['last_100']} "
+            f"| 2^{math.log2(summed['scale']):g} | {ended} |"
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"rows": rows, "working_scale": working0}, indent=1))
