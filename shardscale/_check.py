@@ -34,15 +34,14 @@ from __future__ import annotations
 
 import math
 import operator
+from typing import Any
 
 import torch
 
-from shardscale._exchange import BIN_LOW, BINS
 from shardscale._grads import GradGroups, NormGroups, move
-from shardscale._torch import check_and_unscale_, foreach_norm
+from shardscale._torch import check_and_unscale_, foreach_mul_, foreach_norm
 
 Groups = GradGroups | NormGroups
-Tensor = torch.Tensor
 # One float32 scalar per device holding gradients: 1.0 where any element was non-finite.
 Flags = dict[torch.device, torch.Tensor]
 
@@ -72,12 +71,6 @@ def exact_norm_check(groups: NormGroups, norm_type: float) -> bool:
     return small_p and torch.float64 not in map(_DTYPE, groups)
 
 
-def can_count(device: torch.device) -> bool:
-    """Whether [`Kernels.bins`][] may count elements on `device` (`histc`): not on CUDA with
-    deterministic algorithms on, where `histc` has no deterministic kernel and would raise."""
-    return device.type != "cuda" or not torch.are_deterministic_algorithms_enabled()
-
-
 class Kernels:
     """A scaler's kernels over its gradient groups, and the constants they take."""
 
@@ -101,17 +94,17 @@ class Kernels:
         to float32 as it is stored, exactly `scale.double().reciprocal().float()`.
         """
         out = torch.empty((), dtype=torch.float32, device=scale.device)
-        return torch.div(self.one(scale.device, torch.float64), scale, out=out)
+        one = self._ones.get((scale.device, torch.float64))  # made once, by one()
+        if one is None:
+            one = self.one(scale.device, torch.float64)
+        return torch.div(one, scale, out=out)
 
-    def check_(
-        self, groups: GradGroups | NormGroups, inv_scale: torch.Tensor | None, flags: Flags
-    ) -> Flags:
+    def check_(self, groups: Groups, inv_scale: torch.Tensor | None, flags: Flags) -> Flags:
         """Multiply every gradient by `inv_scale` (if given) and flag the devices with inf/NaN.
 
         `flags` are raised (the kernel only ever sets them to 1.0), so that several calls end
         with one flag per device; a device without one gets a new zero flag. `inv_scale` is
-        copied once per device (a blocking copy to the CPU). With the scratch flags (a multiply
-        only, [`multiply_()`][multiply_]) the CPU's gradients take `_foreach_mul_` instead.
+        copied once per device (a blocking copy to the CPU).
         """
         factors: dict[torch.device, torch.Tensor] = {}
         for key, grads in groups.items():
@@ -120,9 +113,7 @@ class Kernels:
                 flags[device] = torch.zeros((), dtype=torch.float32, device=device)
             if device not in factors:
                 factors[device] = self.one(device) if inv_scale is None else move(inv_scale, device)
-            if flags is self._scratch and device.type == "cpu":
-                torch._foreach_mul_(grads, factors[device])
-            elif inv_scale is None and device.type == "cpu" and grads[0].numel() >= 1 << 16:
+            if inv_scale is None and device.type == "cpu" and grads[0].numel() >= 1 << 16:
                 # A check only, of large CPU tensors: read, not rewrite. A sum is finite only
                 # where every element is; one that is not is checked again, exactly.
                 if not math.isfinite(sum(g.sum(dtype=torch.float32).item() for g in grads)):
@@ -131,49 +122,30 @@ class Kernels:
                 check_and_unscale_(grads, flags[device], factors[device])
         return flags
 
-    def bins(
-        self, groups: tuple[Groups, ...], device: torch.device, scale: Tensor | None, counts: bool
-    ) -> Tensor:
-        """This rank's bins of the ballot (`shardscale._exchange`) for `groups`' |gradient|s
-        (times `scale`, for gradients unscaled already), float32 on `device`.
-
-        `counts` (the underflow meter's steps, every `underflow_every`): how many non-zero
-        finite elements fall in each bin; three kernels per tensor (abs, log2, `histc`; a fourth
-        casts fp16/bf16 to float32), a temporary of one tensor's size at a time, no host read.
-        Zeros, inf, NaN and magnitudes beyond 2^-64 ... 2^64 are in no bin. Else (the fit's):
-        the bin of the largest, raised (none for 0 or a non-finite one), in one read pass, a
-        kernel per group and a few more.
-        """
-        lists = [grads for group in groups for grads in group.values()]
-        bins = torch.zeros(BINS, dtype=torch.float32, device=device)
-        if counts:
-            for grad in (grad for grads in lists for grad in grads):
-                logs = grad.abs().float().log2_()  # a new tensor: never the gradient itself
-                if scale is not None:
-                    logs.add_(torch.log2(move(scale, logs.device)))
-                bins += move(torch.histc(logs, BINS, BIN_LOW - 1, BIN_LOW + BINS - 1), device)
-            return bins
-        peaks = [torch.stack(foreach_norm(g, math.inf, dtype=torch.float32)).amax() for g in lists]
-        peak = torch.stack([torch.zeros((), device=device), *(move(p, device) for p in peaks)])
-        peak = peak.amax() if scale is None else peak.amax() * move(scale, device)
-        exponent = torch.frexp(peak).exponent.clamp_(BIN_LOW, BIN_LOW + BINS - 1)  # peak < 2^e
-        slot = (exponent - BIN_LOW).long().reshape(1)
-        return bins.index_put_((slot,), ((peak > 0) & (peak < torch.inf)).float())
-
-    def multiply_(self, groups: GradGroups | NormGroups, factor: torch.Tensor) -> None:
+    def multiply_(self, groups: Groups, factor: torch.Tensor) -> None:
         """Multiply every gradient in `groups` by the float32 scalar `factor`, in place.
 
-        With the check kernel, not `_foreach_mul_`: on CUDA `_foreach_mul_` takes its per-tensor
-        slow path when the factor's dtype differs from the gradients' (a float32 factor on fp16 or
-        bf16 gradients: one launch per tensor), while the check kernel takes a float32 factor for
-        every gradient dtype in one launch, and multiplies in the same precision (float32 for
-        fp16/bf16, as `mul_` does). Its flags are scratch ones nobody reads.
+        On an accelerator with the check kernel, not `_foreach_mul_`: on CUDA `_foreach_mul_`
+        takes its per-tensor slow path when the factor's dtype differs from the gradients' (a
+        float32 factor on fp16 or bf16 gradients: one launch per tensor), while the check kernel
+        takes a float32 factor for every gradient dtype in one launch, and multiplies in the
+        same precision (float32 for fp16/bf16, as `mul_` does). Its flags are scratch ones
+        nobody reads.
 
-        Except on the CPU: there the check kernel tests element by element, up to 1.45x the
-        time of the vectorised `_foreach_mul_` in fp32 (docs/benchmarks.md), and `mul_` takes a
-        0-dim CPU factor in float32 for fp16/bf16 too, never rounding it to their dtype.
+        On the CPU with `_foreach_mul_`: there the check kernel tests element by element, up to
+        1.45x the time of the vectorised multiply in fp32 (docs/benchmarks.md), and `mul_` takes
+        a 0-dim CPU factor in float32 for fp16/bf16 too, never rounding it to their dtype.
         """
-        self.check_(groups, factor, self._scratch)
+        on_accelerators: dict[Any, list[torch.Tensor]] = {}
+        on_cpu = None  # the factor, copied to the CPU once
+        for key, grads in groups.items():
+            if key[0].type != "cpu":
+                on_accelerators[key] = grads
+                continue
+            on_cpu = move(factor, key[0]) if on_cpu is None else on_cpu
+            foreach_mul_(grads, on_cpu)
+        if on_accelerators:
+            self.check_(on_accelerators, factor, self._scratch)
 
     def local_norms_(
         self,

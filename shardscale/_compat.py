@@ -23,7 +23,7 @@ from torch.amp.grad_scaler import OptState
 from shardscale._check import Flags, Kernels
 from shardscale._exchange import Verdict
 from shardscale._grads import GradWalk
-from shardscale._stepping import IterationBook, OptimizerRecord, optimizer_params
+from shardscale._state import IterationBook, OptimizerRecord, optimizer_params
 
 # torch's FutureWarning, word for word, for optimizers whose step() takes `grad_scaler`.
 GRAD_SCALER_WARNING = (
@@ -132,10 +132,35 @@ def unscale_grads(
     if not allow_fp16 and any(p.grad is not None and p.grad.dtype == torch.float16 for p in params):
         raise ValueError("Attempting to unscale FP16 gradients.")
     with torch.no_grad():
-        groups, _plain, _holds = GradWalk().groups(params)
+        groups, _has_elements = GradWalk().groups(params)
         flags: Flags = {found_inf.device: found_inf}
         for device, _dtype in groups:
             if device not in flags:
                 flags[device] = found_inf.to(device=device, copy=True)
         Kernels().check_(groups, inv_scale, flags)
     return {device: flags[device] for device, _dtype in groups}
+
+
+def torch_view(instead: str) -> Callable[[Callable[[Any], Any]], Any]:
+    """A read-only property under one of torch's private names; assigning it raises, saying
+    what to use instead (it mirrors the agreed state, which only the protocol moves)."""
+
+    def make(read: Callable[[Any], Any]) -> property:
+        def refuse(self: Any, value: object) -> NoReturn:
+            raise AttributeError(
+                f"{type(self).__name__}.{read.__name__} mirrors shardscale's agreed state and "
+                f"cannot be assigned; use {instead}"
+            )
+
+        return property(read, refuse, doc=read.__doc__)
+
+    return make
+
+
+def torch_alias(getter: str, setter: str) -> Any:
+    """torch's private attribute for a setting: reading is `getter()`, writing `setter()`."""
+    return property(
+        lambda self: getattr(self, getter)(),
+        lambda self, value: getattr(self, setter)(value),
+        doc=f"`{getter}()`; writing it is `{setter}()` (checked).",
+    )

@@ -15,8 +15,50 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shardscale._exchange import check_group, timeout_option
 from shardscale._policy import MIN_SCALE, ScalePolicy, check_bool, check_choice, check_int
+
+
+def timeout_option(name: str, value: timedelta | float | None) -> timedelta | None:
+    """`value` (a `timedelta`, seconds, or None) as a `timedelta`, checked to be > 0."""
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise TypeError(
+            f"{name} must be a datetime.timedelta, a number of seconds or None, got "
+            f"{type(value).__name__}"
+        )
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{name} must be a finite time > 0, got {seconds} s")
+    return timedelta(seconds=seconds)
+
+
+def check_group(group: object) -> None:
+    """Accept `process_group` as torch's ShardedGradScaler does: a `ProcessGroup`, None, or an
+    object with `rank()` and `size()` (torch's `DummyProcessGroup`) of size 1, where no
+    collective is needed.
+
+    Raises:
+        TypeError, ValueError: anything else; the message says what to pass.
+    """
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return
+    if not (callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None))):
+        raise TypeError(
+            "process_group must be a torch.distributed.ProcessGroup, None, or an object with "
+            "rank() and size() (like torch's DummyProcessGroup) of size 1, got "
+            f"{type(group).__name__}"
+        )
+    if group.size() != 1:  # type: ignore[attr-defined]
+        raise ValueError(
+            f"a process_group that is not a torch.distributed.ProcessGroup (here "
+            f"{type(group).__name__}) must have size() == 1, where no collective is needed "
+            "(is torch.distributed not initialised? initialise it and pass a "
+            f"torch.distributed.ProcessGroup). Got size() = {group.size()!r}"  # type: ignore[attr-defined]
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,17 +107,14 @@ class ScalerConfig:
         check_bool("locate_overflow", self.locate_overflow)
         check_group(self.process_group)  # torch's DummyProcessGroup-like groups at size 1 too
         set_(self, "sync_timeout", timeout_option("sync_timeout", self.sync_timeout))
-        if check_int("verify_every", self.verify_every) < 0:
-            raise ValueError(f"verify_every must be >= 0 (0: never), got {self.verify_every}")
+        check_int("verify_every", self.verify_every, minimum=0, note="0: never")
         check_int("underflow_every", self.underflow_every, minimum=0)
-        if check_int("max_retries", self.max_retries) < 0:
-            raise ValueError(f"max_retries must be >= 0 (0: never retry), got {self.max_retries}")
+        check_int("max_retries", self.max_retries, minimum=0, note="0: never retry")
         for name in ("max_consecutive_skips", "max_overflows_at_floor"):
-            limit = getattr(self, name)
-            if isinstance(limit, bool) or not isinstance(limit, (int, type(None))):
-                raise TypeError(f"{name} must be an int or None, got {type(limit).__name__}")
-            if limit is not None and limit < 1:
-                raise ValueError(f"{name} must be >= 1 (None: no limit), got {limit}")
+            if getattr(self, name) is not None:
+                check_int(
+                    name, getattr(self, name), minimum=1, note="None: no limit", optional=True
+                )
         check_choice("scale_policy", self.scale_policy)
         self.policy().initial_state(self.first_scale())  # the policy's settings, init_scale
 

@@ -46,6 +46,7 @@ class ShardScaleNonFiniteError(ShardScaleSkipError):
     `max_overflows_at_floor` consecutive steps overflowed with the scale at `min_scale` (or
     fixed, `dynamic=False`). Raised by `update()` on every rank together, at the same step,
     before anything was written into the weights; the message names the parameters (and ranks)
-    holding the non-finite values, says NaN or inf, and what that means. A `ShardScaleSkipError`,
-    so code that catches skipped-step errors catches it too.
+    holding the non-finite values, says NaN or inf, and what that means. A
+    [`ShardScaleSkipError`][shardscale.ShardScaleSkipError], so code that catches skipped-step
+    errors catches it too.
     """

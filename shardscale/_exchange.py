@@ -8,10 +8,10 @@ communication device, and the group runs ONE `all_reduce` on it, however many de
 and optimizers hold the gradients:
 
 ```text
-[holds gradients, skip, forward overflow, has a scale, norm share]
+[has gradient elements, skip, forward overflow, has a scale, norm share, bins]
 ```
 
-* holds gradients: 0 for an empty shard, or a rank that ran no backward;
+* has gradient elements: 0 for an empty shard, or a rank that ran no backward;
 * skip: 1 if an inf or NaN is in this rank's gradients;
 * forward overflow: 1 if, besides, a loss this rank scaled in the iteration was inf or NaN (no
   scale can help that: the step is skipped with the scale held). A non-finite loss that left
@@ -19,23 +19,20 @@ and optimizers hold the gradients:
 * has a scale: 0 for a rank that never called `scale()` (a pipeline stage before the last),
   until the group has confirmed that some rank does;
 * norm share: this rank's part of a global gradient norm (`clip_grad_norm_` only);
-* bins (`scale_policy="fit"`, and the underflow meter's steps): 128 slots, one per power of two
-  from 2^-63 to 2^64, slot i for magnitudes in [2^(i-64), 2^(i-63)). For the fit this rank
-  raises the one holding its largest |scaled gradient|. Whether the reduction is MAX or SUM, the
-  highest raised slot is then the group's: its value travels exactly, replicas and all. On the
-  meter's steps each slot holds how many non-zero finite gradient elements fall in it (the
-  highest such slot is the same bound for the fit), and the counts add up.
+* bins: the gradients' magnitudes by power of two, for the fit and the underflow meter
+  (`shardscale._bins` writes and reads them; here they only travel).
 
-The reduction is MAX, or SUM when a finite p-norm or the meter's counts travel (shares and counts
-add up; the flags then count and are clamped to 1). An inf-norm's shares need MAX: the meter
-waits for a step without one. Either way the agreed flags are exactly 0.0 or 1.0: torch's fused
+The reduction is MAX, or SUM when a finite p-norm or counted bins travel (shares and counts add
+up; the flags then count and are clamped to 1). An inf-norm's shares need MAX: the meter waits
+for a step without one. Either way the agreed flags are exactly 0.0 or 1.0: torch's fused
 optimizers skip only when `found_inf == 1.0`, so a summed flag of 2.0 (two ranks overflowed)
 would make them step with inf gradients.
 
 Only a rank that lacks something reads the result on the host (one synchronisation): a rank
-without gradients asks whether anybody had some (nobody: an error on every rank together), a rank
-that never scaled asks whether anybody did. Ranks that hold gradients and a scale never wait for
-the host here. Without an initialised process group, or at world size 1, no collective is issued.
+without gradient elements asks whether anybody had some (nobody: an error on every rank
+together), a rank that never scaled asks whether anybody did. Ranks that hold gradients and a
+scale never wait for the host here. Without an initialised process group, or at world size 1, no
+collective is issued.
 
 How long a collective may wait for a rank that never arrives: on the CPU and on backends that
 stage through the host (gloo), the host waits at most `timeout` (`sync_timeout`), then raises
@@ -64,6 +61,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from shardscale._bins import BINS
 from shardscale._errors import ShardScaleDistributedError, ShardScaleWarning, no_scale_message
 from shardscale._grads import move
 from shardscale._torch import group_device_types
@@ -80,13 +78,8 @@ _BROKEN = re.compile(r"connection (reset|closed|refused)|broken pipe", re.IGNORE
 
 # The ballot's slots, in the order they travel (see the module); the agreed flags of a
 # `Verdict`, its skip and forward-overflow slots: `verdict.flags[Flag.SKIP]`.
-Slot = IntEnum("Slot", "HOLDS SKIP FORWARD SCALED NORM", start=0)
+Slot = IntEnum("Slot", "HAS_ELEMENTS SKIP FORWARD SCALED NORM", start=0)
 Flag = IntEnum("Flag", "SKIP FORWARD", start=0)
-# The ballot's bins for `scale_policy="fit"` and the meter: 2^-63 ... 2^64 (see the module).
-BINS, BIN_LOW = 128, -63
-# fp16's smallest normal magnitude (a scaled gradient below it is subnormal in fp16, or flushed
-# to zero), and the meter's target: the fraction of the non-zero elements allowed below it.
-UNDERFLOW_BELOW, UNDERFLOW_TARGET = 2.0**-14, 1e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,26 +89,29 @@ class Ballot:
     Attributes:
         device: The scale's device, where the verdict is returned (the tensor is on the group's
             communication device for it).
-        holds_grads: What the holds slot says, known on the host (a rank without gradients reads the
-            result).
+        has_elements: What the has-elements slot says, known on the host (a rank without
+            gradient elements reads the result).
+        has_scale: What the has-a-scale slot says (False: a rank that never scaled; it reads the
+            result, and modifies nothing before).
         skip: The skip slot (a view): the local check raises it for gradients on the ballot's
             device, so their flag costs no kernel of its own.
         norm: The norm slot (a view), where this rank's share of the gradient norm goes; None
             without one.
         loss_checked: Whether a loss's finiteness went into the forward-overflow slot.
-        bins: The bins (a view; module docstring), where `scale_policy="fit"` or the meter wants
-            them.
-        counts: Whether the bins hold the meter's element counts, which travel in a SUM.
+        bins: The bins (a view, `shardscale._bins`); None without them. After the collective
+            they hold the group's.
+        counted: Whether the bins hold counts, which travel in a SUM.
     """
 
     tensor: torch.Tensor
     device: torch.device
-    holds_grads: bool
+    has_elements: bool
+    has_scale: bool
     skip: torch.Tensor
     norm: torch.Tensor | None = None
     loss_checked: bool = False
     bins: torch.Tensor | None = None
-    counts: bool = False
+    counted: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -128,7 +124,7 @@ class Verdict:
             every rank when any rank's gradients overflowed.
         read: What [`skipped()`][skipped] read on the host; None: not read (a fused step's verdict).
         peak: The power of two just above the group's largest |scaled gradient| (float32 scalar; 0
-            where none was finite and non-zero), where the bins travelled.
+            where none was finite and non-zero), where bins travelled (`shardscale._bins`).
         counts: The group's non-zero |scaled gradient| elements by bin (float32; the meter's steps).
     """
 
@@ -151,47 +147,23 @@ class Verdict:
         return self.read
 
 
-def timeout_option(name: str, value: timedelta | float | None) -> timedelta | None:
-    """`value` (a `timedelta`, seconds, or None) as a `timedelta`, checked to be > 0."""
-    if value is None:
-        return None
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        raise TypeError(
-            f"{name} must be a datetime.timedelta, a number of seconds or None, got "
-            f"{type(value).__name__}"
-        )
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"{name} must be a finite time > 0, got {seconds} s")
-    return timedelta(seconds=seconds)
-
-
-def check_group(group: object) -> None:
-    """Accept `process_group` as torch's ShardedGradScaler does: a `ProcessGroup`, None, or an
-    object with `rank()` and `size()` (torch's `DummyProcessGroup`) of size 1, where no
-    collective is needed.
-
-    Raises:
-        TypeError, ValueError: anything else; the message says what to pass.
-    """
-    if group is None or isinstance(group, dist.ProcessGroup):
-        return
-    if not (callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None))):
-        raise TypeError(
-            "process_group must be a torch.distributed.ProcessGroup, None, or an object with "
-            "rank() and size() (like torch's DummyProcessGroup) of size 1, got "
-            f"{type(group).__name__}"
-        )
-    if group.size() != 1:  # type: ignore[attr-defined]
-        raise ValueError(
-            f"a process_group that is not a torch.distributed.ProcessGroup (here "
-            f"{type(group).__name__}) must have size() == 1, where no collective is needed "
-            "(is torch.distributed not initialised? initialise it and pass a "
-            f"torch.distributed.ProcessGroup). Got size() = {group.size()!r}"  # type: ignore[attr-defined]
-        )
+def combined(verdicts: Iterable[Verdict | None]) -> Verdict | None:
+    """One verdict for several (of several optimizers, agreements, leaves of a container): the
+    one they share (the usual case), else a new one whose flags are the largest of theirs (not
+    read on the host yet), peaks the largest, counts added up; None where none is given."""
+    distinct: list[Verdict] = []
+    for verdict in verdicts:
+        if verdict is not None and verdict not in distinct:  # by identity
+            distinct.append(verdict)
+    if len(distinct) <= 1:
+        return distinct[0] if distinct else None
+    device = distinct[0].flags.device
+    verdict = Verdict(torch.stack([move(v.flags, device) for v in distinct]).amax(0))
+    peaks = [move(v.peak, device) for v in distinct if v.peak is not None]
+    verdict.peak = torch.stack(peaks).amax() if peaks else None
+    counts = [move(v.counts, device) for v in distinct if v.counts is not None]
+    verdict.counts = torch.stack(counts).sum(0) if counts else None
+    return verdict
 
 
 def _bound_device(group: dist.ProcessGroup) -> torch.device | None:
@@ -293,28 +265,27 @@ class Exchange:
         self,
         device: torch.device,
         *,
-        holds_grads: bool,
+        has_elements: bool,
         has_scale: bool,
         loss_nonfinite: torch.Tensor | None = None,
         with_norm: bool = False,
-        bins: bool = False,
-        counts: bool = False,
+        with_bins: bool = False,
+        counted: bool = False,
     ) -> Ballot:
         """A fresh ballot on the communication device for `device`, in one kernel.
 
         Its forward-overflow slot starts at 1 where `loss_nonfinite` (some loss of this
         iteration was inf or NaN: a bool scalar from `scale()`) is True, else at 0; the local
-        check raises
-        the skip slot itself ([`Ballot.skip`][Ballot.skip]). The two templates are made once
-        per device by this exchange, and die with it. `counts`: the bins will hold the meter's
-        counts (they come with `bins`).
+        check raises the skip slot itself ([`Ballot.skip`][Ballot.skip]). The two templates are
+        made once per device by this exchange, and die with it. `counted`: the bins will hold
+        counts (a SUM).
         """
-        key = (device, holds_grads, has_scale, with_norm, bins or counts)
+        key = (device, has_elements, has_scale, with_norm, with_bins)
         templates = self._templates.get(key)
         if templates is None:
-            ok = [float(holds_grads), 0.0, 0.0, float(has_scale)] + [0.0] * with_norm
-            ok += [0.0] * (BINS * (bins or counts))
-            bad = [*ok[:2], 1.0, *ok[3:]]
+            ok = [float(has_elements), 0.0, 0.0, float(has_scale)] + [0.0] * with_norm
+            ok += [0.0] * (BINS * with_bins)
+            bad = [*ok[: Slot.FORWARD], 1.0, *ok[Slot.FORWARD + 1 :]]
             templates = self._templates[key] = torch.tensor(
                 [ok, bad], dtype=torch.float32, device=self.comm_device(device)
             )
@@ -322,10 +293,17 @@ class Exchange:
             votes = templates[0].clone()
         else:
             votes = torch.where(move(loss_nonfinite, templates.device), templates[1], templates[0])
-        norm = votes[Slot.NORM] if with_norm else None
-        checked = loss_nonfinite is not None
-        raised = votes[-BINS:] if bins or counts else None
-        return Ballot(votes, device, holds_grads, votes[Slot.SKIP], norm, checked, raised, counts)
+        return Ballot(
+            votes,
+            device,
+            has_elements,
+            has_scale,
+            skip=votes[Slot.SKIP],
+            norm=votes[Slot.NORM] if with_norm else None,
+            loss_checked=loss_nonfinite is not None,
+            bins=votes[-BINS:] if with_bins else None,
+            counted=counted,
+        )
 
     def agree(
         self,
@@ -333,7 +311,7 @@ class Exchange:
         local_flags: Iterable[torch.Tensor],
         *,
         step: int,
-        confirm_scale: str | None = None,
+        caller: str,
         norm_type: float | None = None,
     ) -> Verdict:
         """Combine this rank's ballot with every other rank's, in one collective.
@@ -345,53 +323,44 @@ class Exchange:
                 was non-finite): those of other devices than the ballot's, and of checks made
                 before the ballot (`unscale_`); never the ballot's own slot.
             step: the step being taken, for error messages.
-            confirm_scale: the method being called (`"step"`...) on a rank that never called
-                `scale()`, until the group confirms that some rank did (its ballot says it has
-                no scale); None otherwise.
-            norm_type: the p of the gradient norm whose share travels in the ballot's last
-                slot (`Kernels.local_norms_` put it there; the ballot was made `with_norm`), or
-                None. The share must be non-finite wherever the local check raised the
-                ballot's slot (the norms' check does); flags from other checks (`local_flags`)
-                make it inf here. An inf-norm's shares combine by max, others by sum.
+            caller: the method being called (`"step"`...), for the error where no rank ever
+                called `scale()` (a ballot without a scale asks).
+            norm_type: the p of the gradient norm whose share travels in the ballot's norm slot
+                (`Kernels.local_norms_` put it there), or None. The share must be non-finite
+                wherever the local check raised the ballot's slot (the norms' check does); flags
+                from other checks (`local_flags`) make it inf here, and so does any flag under
+                an inf-norm (a max, which NCCL may take NaN-blind). An inf-norm's shares combine
+                by max, others by sum.
 
         Raises:
-            RuntimeError: no rank holds any gradient, or (`confirm_scale`) no rank ever called
-                `scale()`: every rank raises together, torch's words.
+            RuntimeError: no rank holds any gradient element, or (a ballot without a scale) no
+                rank ever called `scale()`: every rank raises together, torch's words.
             ShardScaleDistributedError: a rank did not arrive within `timeout`, or left.
         """
-        votes, slot = ballot.tensor, ballot.skip
-        others = False
+        votes, slot, others = ballot.tensor, ballot.skip, False
         for flag in local_flags:  # one kernel per other flag (devices, earlier checks)
-            torch.maximum(slot, move(flag, votes.device), out=slot)
+            torch.maximum(slot, move(flag, slot.device), out=slot)
             others = True
         if ballot.loss_checked:  # a forward overflow: a non-finite loss, gradients to match
             votes[Slot.FORWARD].mul_(slot)
         if norm_type is not None and (others or math.isinf(norm_type)):
-            # A flag that is not the norms' own (or a max, which NCCL may take NaN-blind) must
-            # still show in the norm: this share goes in as inf. Otherwise the slot was raised
-            # only where a norm was non-finite, so the share already is.
-            votes[Slot.NORM].masked_fill_(slot > 0, math.inf)
+            votes[Slot.NORM].masked_fill_(slot > 0, math.inf)  # the overflow shows in the norm
         summed_norm = norm_type is not None and not math.isinf(norm_type)
-        summed = summed_norm or ballot.counts
+        summed = summed_norm or ballot.counted
         if self.world_size > 1:
             op = dist.ReduceOp.SUM if summed else dist.ReduceOp.MAX
             what = "the overflow flag" + (" and gradient norm" if norm_type is not None else "")
             self._collective(dist.all_reduce, votes, step, f"{what} (all_reduce)", op=op)
-        if confirm_scale is not None or not ballot.holds_grads:  # the one host read, these only
+        if not (ballot.has_scale and ballot.has_elements):  # the one host read, these only
             agreed = votes.tolist()
-            if confirm_scale is not None and agreed[Slot.SCALED] == 0.0:
-                raise RuntimeError(no_scale_message(confirm_scale))
-            if agreed[Slot.HOLDS] == 0.0:
+            if not ballot.has_scale and agreed[Slot.SCALED] == 0.0:
+                raise RuntimeError(no_scale_message(caller))
+            if agreed[Slot.HAS_ELEMENTS] == 0.0:
                 raise RuntimeError(_NO_GRADS.format(world_size=self.world_size))
         flags = votes[Slot.SKIP : Slot.FORWARD + 1]  # in Flag's order
         if summed and self.world_size > 1:
             flags = flags.clamp(max=1.0)  # counts of ranks: exactly 0/1 after this
         verdict = Verdict(flags=move(flags, ballot.device))
-        if ballot.bins is not None:
-            exponents = torch.arange(BIN_LOW, BIN_LOW + BINS, device=votes.device)
-            powers = torch.exp2(exponents.float())  # each bin's power of two
-            verdict.peak = move(((ballot.bins > 0) * powers).amax(), ballot.device)
-            verdict.counts = move(ballot.bins, ballot.device) if ballot.counts else None
         if norm_type is not None:
             total = votes[Slot.NORM]
             if summed_norm and norm_type != 1.0:
@@ -505,18 +474,7 @@ class Exchange:
         device = (tensor[0] if isinstance(tensor, list) else tensor).device
         waits = self._host_waits.get(device)
         if waits is None:
-            backend = _backend(self._group, device.type)
-            waits = device.type == "cpu" or backend in (None, "gloo", "mpi")
-            self._host_waits[device] = waits
-            if not waits and self.timeout is not None:
-                warnings.warn(
-                    f"sync_timeout={self.timeout.total_seconds():g} s is not applied to the "
-                    f"{backend} collectives on {device}: there the process group's own timeout "
-                    "(init_process_group(timeout=...)) bounds them, enforced by its watchdog, "
-                    "which frees the GPU (docs/reliability.md)",
-                    ShardScaleWarning,
-                    stacklevel=2,
-                )
+            waits = self._host_waits[device] = self._waits_on_host(device)
         bounded = waits and self.timeout is not None
         enqueued = time.monotonic()
         try:
@@ -535,6 +493,23 @@ class Exchange:
             ) from error
         if not completed:
             raise self._late(step, what)
+
+    def _waits_on_host(self, device: torch.device) -> bool:
+        """Whether the group's collectives on `device` wait on the host (the CPU, gloo, MPI:
+        `sync_timeout` bounds them there) or on a stream (NCCL: the group's own timeout does;
+        a `sync_timeout` given warns, once)."""
+        backend = _backend(self._group, device.type)
+        waits = device.type == "cpu" or backend in (None, "gloo", "mpi")
+        if not waits and self.timeout is not None:
+            warnings.warn(
+                f"sync_timeout={self.timeout.total_seconds():g} s is not applied to the "
+                f"{backend} collectives on {device}: there the process group's own timeout "
+                "(init_process_group(timeout=...)) bounds them, enforced by its watchdog, "
+                "which frees the GPU (docs/reliability.md)",
+                ShardScaleWarning,
+                stacklevel=3,
+            )
+        return waits
 
     def _late(self, step: int | None, what: str) -> ShardScaleDistributedError:
         waited = "waited out the process group's own timeout"

@@ -32,6 +32,7 @@ as one view of exactly their elements.
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, cast
 
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from shardscale._errors import ShardScaleWarning
 from shardscale._torch import (
     dtensor_spec,
     flat_param_sizes,
@@ -69,28 +71,53 @@ def move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=device.type != "cpu")
 
 
-def local_grads(params: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
-    """Each parameter's local gradient (None: no gradient).
+def move_together(
+    grad_scale: torch.Tensor | None, found_inf: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """`grad_scale` and `found_inf` on `device`: themselves when there, else ONE copy (both
+    stacked: one blocking copy to the CPU, not two)."""
+    if found_inf.device == device and (grad_scale is None or grad_scale.device == device):
+        return grad_scale, found_inf
+    if grad_scale is None or grad_scale.dtype != found_inf.dtype:
+        return None if grad_scale is None else move(grad_scale, device), move(found_inf, device)
+    both = move(torch.stack((grad_scale.reshape(()), found_inf)), device)
+    return both[0].reshape(grad_scale.shape), both[1]
+
+
+def local_grads(params: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], list[int], bool]:
+    """The local gradients of `params` that exist, their positions in `params`, and whether any
+    holds an element (an empty shard does not).
 
     An uncoalesced sparse gradient is coalesced in place on its parameter first (half precision
     sums through fp32; see the module docstring); `local_grad` reads one without touching it.
+
+    Raises:
+        TypeError: a gradient is not floating point (it cannot hold an inf or a NaN).
     """
     # Reading .grad on a DTensor parameter goes through __torch_function__ (~0.25 us); with it
     # disabled, 0.1 us, as on a plain tensor. This runs per parameter per step.
     with no_torch_function_subclass():
         grads: list[torch.Tensor | None] = list(map(_GRAD, params))
-    for i, grad in enumerate(grads):
+    present, positions, has_elements = [], [], False
+    for position, grad in enumerate(grads):
         if grad is None:
             continue
         if isinstance(grad, DTensor):
-            grad = grads[i] = local_tensor(grad)
+            grad = local_tensor(grad)
+        if not grad.is_floating_point():
+            raise TypeError(
+                f"gradients must be floating point to be checked for inf/NaN, got {grad.dtype}"
+            )
         if grad.is_sparse:
             if not grad.is_coalesced():
                 half = grad.dtype in _HALF_DTYPES
                 coalesced = (grad.float() if half else grad).coalesce().to(grad.dtype)
-                params[i].grad = grad = coalesced
-            grads[i] = sparse_values(grad)
-    return grads
+                params[position].grad = grad = coalesced
+            grad = sparse_values(grad)
+        present.append(grad)
+        positions.append(position)
+        has_elements = has_elements or grad.numel() > 0
+    return present, positions, has_elements
 
 
 def local_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -185,6 +212,39 @@ def plain_replicas(replica_group: object, world_size: int) -> int:
     return replica_group
 
 
+def _one_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One view of exactly `tensors`' elements where they tile one buffer back to back (the same
+    `_base`, each contiguous, each starting where the one before ends: FSDP2's shards of its
+    reduce-scatter output), else None. Checked afresh at each call, all in C."""
+    base = tensors[0]._base
+    if base is None:
+        return None
+    starts = list(map(torch.Tensor.storage_offset, tensors))
+    ends = list(map(operator.add, starts, map(torch.Tensor.numel, tensors)))
+    tiled = starts[1:] == ends[:-1] and all(map(torch.Tensor.is_contiguous, tensors))
+    if tiled and all(map(operator.is_, map(_BASE, tensors), [base] * len(tensors))):
+        return tensors[0].as_strided((ends[-1] - starts[0],), (1,))
+    return None
+
+
+def warn_plain_replicas_assumed(replicas: int, world_size: int) -> bool:
+    """Warn where the default replica group is most likely wrong: plain gradients clipped on a
+    rank that never scaled (a pipeline stage), taken as replicated on every rank. Whether it
+    warned (callers warn once)."""
+    if replicas != world_size or world_size == 1:
+        return False
+    warnings.warn(
+        "clip_grad_norm_ on a rank that never called scale() (a pipeline stage that computes "
+        "no loss?) got plain (non-DTensor) gradients and, with replica_group=None, takes "
+        f"them as replicated on all {world_size} ranks of the scaler's group (as under DDP). "
+        "If they are this stage's own, pass replica_group= (the stage's data-parallel group, "
+        "or 1 for pure pipeline parallelism): otherwise the norm is too small.",
+        ShardScaleWarning,
+        stacklevel=5,
+    )
+    return True
+
+
 class GradWalk:
     """A scaler's walks of its local gradients, grouped afresh at every call (module docstring).
 
@@ -196,54 +256,54 @@ class GradWalk:
     def __init__(self) -> None:
         self._replicas: dict[int, tuple[object, int]] = {}  # per parameter: (spec, count)
 
-    def groups(
-        self, params: Iterable[torch.Tensor], plain: int | None = None
-    ) -> tuple[dict[Any, list[torch.Tensor]], bool, bool]:
-        """`params`' local gradients by (device, dtype) ([`GradGroups`][]), or with `plain`
-        (how many ranks hold the same plain gradients) by (device, dtype, replica count)
-        ([`NormGroups`][]). Also: whether any was a plain tensor (its count came from
-        `plain`), and whether any holds an element (an empty shard does not).
+    def groups(self, params: Iterable[torch.Tensor]) -> tuple[GradGroups, bool]:
+        """`params`' local gradients by (device, dtype): one fused kernel call per group; and
+        whether any holds an element.
+
+        Raises:
+            TypeError: a gradient is not floating point.
+        """
+        grads, _positions, has_elements = local_grads(tuple(params))
+        groups: GradGroups = {}
+        if grads:
+            for key, (tensor_lists, _indices) in group_by_device_and_dtype(
+                [cast(Any, grads)]
+            ).items():
+                groups[key] = cast(list[torch.Tensor], tensor_lists[0])
+        return groups, has_elements
+
+    def norm_groups(
+        self, params: Iterable[torch.Tensor], plain: int
+    ) -> tuple[NormGroups, bool, bool]:
+        """`params`' local gradients by (device, dtype, replica count) for a global norm
+        ([`NormGroups`][]; `plain`: how many ranks hold the same plain gradients); whether any
+        was a plain tensor (its count came from `plain`); whether any holds an element.
+
+        On the CPU a kernel over many tensors is a loop of kernels (a norm ~2 us each): a group
+        tiling one buffer back to back is taken as one view of it ([`_one_view`][]), for 0.5 us
+        a tensor (docs/benchmarks.md).
 
         Raises:
             TypeError: a gradient is not floating point.
         """
         params = tuple(params)
-        local = local_grads(params)
-        present = [i for i, grad in enumerate(local) if grad is not None]
-        grads = cast(list[torch.Tensor], [local[i] for i in present])
-        holds = any(grad.numel() for grad in grads)
-        groups: dict[Any, list[torch.Tensor]] = {}
+        grads, positions, has_elements = local_grads(params)
+        groups: NormGroups = {}
         any_plain = False
-        if not present:  # a rank that ran no backward (the grouping rejects no input)
-            return groups, any_plain, holds
-        grouped = group_by_device_and_dtype([cast(Any, grads)], with_indices=True)
-        for (device, dtype), (tensor_lists, positions) in grouped.items():
-            tensors = cast(list[torch.Tensor], tensor_lists[0])
-            if not dtype.is_floating_point:
-                raise TypeError(
-                    f"gradients must be floating point to be checked for inf/NaN, got {dtype}"
-                )
-            if plain is None:
-                groups[(device, dtype)] = tensors
-                continue
-            with no_torch_function_subclass():
-                for grad, position in zip(tensors, positions, strict=True):
-                    count, is_plain = self._replica_count(params[present[position]], plain)
+        grouped = group_by_device_and_dtype([cast(Any, grads)], with_indices=True) if grads else {}
+        with no_torch_function_subclass():
+            for (device, dtype), (tensor_lists, indices) in grouped.items():
+                for grad, index in zip(
+                    cast(list[torch.Tensor], tensor_lists[0]), indices, strict=True
+                ):
+                    count, is_plain = self._replica_count(params[positions[index]], plain)
                     any_plain = any_plain or is_plain
                     groups.setdefault((device, dtype, count), []).append(grad)
-        for key, tensors in groups.items() if plain is not None else ():  # the clip's groups
-            # On the CPU a kernel over many tensors is a loop of kernels (a norm ~2 us each): a
-            # group tiling one buffer back to back (FSDP2's shards of its reduce-scatter output)
-            # is taken as one view of it, for 0.5 us a tensor (docs/benchmarks.md).
-            base = tensors[0]._base
-            if key[0].type != "cpu" or base is None:
-                continue
-            starts = list(map(torch.Tensor.storage_offset, tensors))
-            ends = list(map(operator.add, starts, map(torch.Tensor.numel, tensors)))
-            tiled = starts[1:] == ends[:-1] and all(map(torch.Tensor.is_contiguous, tensors))
-            if tiled and all(map(operator.is_, map(_BASE, tensors), [base] * len(tensors))):
-                groups[key] = [tensors[0].as_strided((ends[-1] - starts[0],), (1,))]
-        return groups, any_plain, holds
+        for key, tensors in groups.items():
+            view = _one_view(tensors) if key[0].type == "cpu" else None
+            if view is not None:
+                groups[key] = [view]
+        return groups, any_plain, has_elements
 
     def _replica_count(self, param: torch.Tensor, plain: int) -> tuple[int, bool]:
         """How many ranks hold the same local gradient elements as this rank does for `param`,

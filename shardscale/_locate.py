@@ -1,4 +1,4 @@
-"""Which parameters overflowed, on which rank: named as in the user's original model.
+"""Which parameters overflowed, or underflow, on which rank: named as in the user's model.
 
 A sharded model hides its parameters behind wrappers: DDP's `module.`, FSDP1's
 `_fsdp_wrapped_module.` and flat parameters (one `_flat_param` holding many original
@@ -10,9 +10,13 @@ every rank gets the same list (within the scaler's `sync_timeout`). A step whose
 non-finite (a forward overflow) adds a record named `<loss>` for each rank whose loss was.
 
 Locating costs host reads and a collective, so the scaler runs it only on steps every rank
-already agreed overflowed (`locate_overflow=True`). Knowing that a step overflowed is itself one
-host read of the agreed flag per step (free after a plain step, whose decision reads it anyway;
-one synchronisation per step after a fused step on an accelerator).
+already agreed overflowed (`locate_overflow=True`), and when its alarms sound (gradients still
+non-finite at the floor). Knowing that a step overflowed is itself one host read of the agreed
+flag per step (free after a plain step, whose decision reads it anyway; one synchronisation per
+step after a fused step on an accelerator).
+
+The other direction, [`find_underflowing_grads`][], counts per original parameter the elements
+below fp16's normal range, by `shardscale._bins`' one definition of "underflow".
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardscale._exchange import UNDERFLOW_BELOW, Exchange, timeout_option
+from shardscale._bins import underflow_counts
+from shardscale._config import timeout_option
+from shardscale._exchange import Exchange
 from shardscale._grads import original_slices
 from shardscale._policy import check_real
 
@@ -118,6 +124,17 @@ def locate(
     return [record for records in gathered for record in cast(list[NonFiniteGrad], records)]
 
 
+def locate_optimizers(
+    optimizers: Iterable[torch.optim.Optimizer],
+    exchange: Exchange,
+    step: int | None,
+    losses: Iterable[torch.Tensor] = (),
+) -> list[NonFiniteGrad]:
+    """[`locate()`][locate] over the optimizers' parameters, named as they name them."""
+    named = [pair for optimizer in optimizers for pair in optimizer_named_params(optimizer)]
+    return locate(named, exchange, step, losses)
+
+
 Pieces = list[tuple[str, torch.Tensor]]  # (original name, local gradient elements)
 
 
@@ -187,9 +204,10 @@ class UnderflowingGrad:
     Attributes:
         rank: the global rank holding them.
         name: the parameter's fully-qualified name in the original model (no wrapper prefixes).
-        num_underflowing: how many non-zero elements of this rank's gradient were below 2^-14
-            (times `scale`).
-        num_nonzero: how many of its elements were non-zero.
+        num_underflowing: how many of the counted elements were below 2^-14 (times `scale`).
+        num_nonzero: how many of its elements were counted: the non-zero ones whose magnitude
+            (times `scale`) lies in 2^-64 ... 2^64, where the scaler's underflow meter counts
+            too (`shardscale._bins`: one definition of "underflow" for both).
     """
 
     rank: int
@@ -217,7 +235,9 @@ def find_underflowing_grads(
     Counts the gradients as they are, times `scale`: between `scaler.scale(loss).backward()` and
     the scaler's `step()` (or `unscale_()`) they still carry the loss scale, so leave `scale` at
     1; after, pass `scaler.get_scale()`. Zeros are not counted: a zero is the same at every
-    scale, and in an fp16 gradient it cannot be told from a flushed value.
+    scale, and in an fp16 gradient it cannot be told from a flushed value. Nor are magnitudes
+    outside 2^-64 ... 2^64 (times `scale`), which the meter's bins do not hold either: the
+    fraction here is the meter's, per parameter.
 
     Works for every model [`find_nonfinite_grads()`][shardscale.find_nonfinite_grads] does, with
     the same names, and like it is a collective when the process group has more than one rank:
@@ -239,15 +259,12 @@ def find_underflowing_grads(
         raise ValueError(f"scale must be a finite number > 0, got {scale}")
     exchange = Exchange(process_group, timeout_option("timeout", timeout))
 
-    def measure(values: torch.Tensor) -> torch.Tensor:
-        nonzero = values != 0
-        below = values.abs().float().mul_(factor) < UNDERFLOW_BELOW  # on a new tensor
-        return torch.stack(((nonzero & below).sum(), nonzero.sum()))
-
     pieces = _pieces(_unwrapped(module).named_parameters())
     mine = [
         UnderflowingGrad(rank=_rank(), name=name, num_underflowing=below, num_nonzero=nonzero)
-        for (name, _), (below, nonzero) in zip(pieces, _counts(pieces, measure), strict=True)
+        for (name, _), (below, nonzero) in zip(
+            pieces, _counts(pieces, lambda values: underflow_counts(values, factor)), strict=True
+        )
         if below
     ]
     gathered = exchange.gather_objects(mine, None, "their underflowing gradient records")

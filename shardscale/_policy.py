@@ -99,12 +99,17 @@ def check_real(name: str, value: object) -> float:
     return float(value)
 
 
-def check_int(name: str, value: object, minimum: int | None = None) -> int:
-    """`value` itself; TypeError unless it is an int (not a bool), ValueError below `minimum`."""
+def check_int(
+    name: str, value: object, minimum: int | None = None, *, note: str = "", optional: bool = False
+) -> int:
+    """`value` itself; TypeError unless it is an int (not a bool), ValueError below `minimum`
+    (`note`: what a value at the edge means, for the message; `optional`: the setting may also
+    be None, which the caller takes before asking)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+        kind = "an int or None" if optional else "an int"
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}: {value!r}")
     if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise ValueError(f"{name} must be >= {minimum}{f' ({note})' if note else ''}, got {value}")
     return value
 
 
@@ -364,17 +369,19 @@ class ScalePolicy:
             return
         if forward is not None:
             growth_tracker.sub_(forward.to(torch.int32))
-        if self.hysteresis == 1:
-            # The common case in two kernels: torch's own update, then the floor and ceiling.
-            self._torch_update_(scale, growth_tracker, found_inf, clean)
+        # torch's own update kernel (back off, or grow after the interval), then the floor and
+        # ceiling, which it does not know (none needed for a growth without a ceiling: `clean`).
+        # With hysteresis around it: an overflow still tolerated keeps the old scale (the kernel
+        # already zeroed the growth tracker, as the policy does); a growth (the tracker wrapped
+        # to 0 on a clean step) replenishes the allowance, and a forward overflow does not.
+        tolerated = (found_inf > 0) & (hysteresis_tracker > 1) if self.hysteresis > 1 else None
+        kept = None if tolerated is None else scale.clone()
+        factors = (self.growth_factor, self.backoff_factor, self.growth_interval)
+        update_scale_(scale, growth_tracker, found_inf, *factors)
+        if not (clean and math.isinf(self.max_scale)):
+            scale.clamp_(min=self.min_scale, max=self.max_scale)
+        if tolerated is None or kept is None:
             return
-        # Hysteresis on top of torch's kernel: the kernel backs off or grows; an overflow still
-        # tolerated keeps the old scale (the kernel already zeroed the growth tracker, as the
-        # policy does); a growth (the tracker wrapped to 0 on a clean step) replenishes the
-        # allowance, and a forward overflow (no step at all) does not.
-        tolerated = (found_inf > 0) & (hysteresis_tracker > 1)
-        kept = scale.clone()
-        self._torch_update_(scale, growth_tracker, found_inf, clean)
         torch.where(tolerated, kept, scale, out=scale)
         grew = (growth_tracker == 0) & (found_inf == 0)
         if forward is not None:
@@ -395,7 +402,8 @@ class ScalePolicy:
         Args:
             scale: float32 scalar tensor.
             hysteresis_tracker: int32 scalar tensor on the same device.
-            fit: float32 `[margin, streak, window...]` (`ScaleState`'s).
+            fit: float32 `[margin, streak, window...]`: the fit's fields of
+                [`ScaleState`][shardscale.ScaleState].
             flags: the agreed float32 `[skip, forward overflow]`, each 0.0 or 1.0.
             seen: float32 scalar, the step's largest unscaled gradient bound (0 where none).
         """
@@ -423,19 +431,6 @@ class ScalePolicy:
         """Back the scale off once, now, whatever the hysteresis allows (a retried step's
         gradients overflowed: the same scale would overflow again): floor held, growth
         tracker zeroed. For a dynamic scale (the caller checks)."""
-        self._torch_update_(scale, growth_tracker, torch.ones_like(scale))
-
-    def _torch_update_(
-        self,
-        scale: torch.Tensor,
-        growth_tracker: torch.Tensor,
-        found_inf: torch.Tensor,
-        clean: bool = False,
-    ) -> None:
-        """torch's update kernel (back off, or grow after the interval), then the floor and
-        ceiling, which torch's kernel does not know (none needed for a growth without a
-        ceiling: `clean`)."""
         factors = (self.growth_factor, self.backoff_factor, self.growth_interval)
-        update_scale_(scale, growth_tracker, found_inf, *factors)
-        if not (clean and math.isinf(self.max_scale)):
-            scale.clamp_(min=self.min_scale, max=self.max_scale)
+        update_scale_(scale, growth_tracker, torch.ones_like(scale), *factors)
+        scale.clamp_(min=self.min_scale)

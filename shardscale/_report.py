@@ -36,8 +36,8 @@ from enum import Enum
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from shardscale._bins import UNDERFLOW_TARGET
 from shardscale._errors import ShardScaleNonFiniteError, ShardScaleSkipError, ShardScaleWarning
-from shardscale._exchange import UNDERFLOW_TARGET
 from shardscale._locate import LOSS, NonFiniteGrad, logger
 from shardscale._policy import MIN_SCALE, ScalePolicy
 from shardscale._state import PACKED_STREAKS, Count, Counters, DeviceState, unpack
@@ -124,8 +124,9 @@ class StepReporter:
     ) -> None:
         self.max_consecutive_skips = max_consecutive_skips
         self.max_overflows_at_floor = max_overflows_at_floor
-        # an OrderedDict: RemovableHandle holds a weak reference to it, which a dict refuses
-        self._hooks: OrderedDict[int, StatsHook] = OrderedDict()
+        # The stats hooks, by handle id. An OrderedDict: RemovableHandle holds a weak reference
+        # to it, which a dict refuses.
+        self.hooks: OrderedDict[int, StatsHook] = OrderedDict()
         # The step whose copy is in flight (delivered at the next push or flush): its buffer,
         # event, and whether it holds the packed state (someone listens) or the streaks alone.
         self._pending: tuple[torch.Tensor, torch.cuda.Event, bool] | None = None
@@ -148,8 +149,8 @@ class StepReporter:
         self._forward_overflows = counters.forward_overflows
 
     def register(self, hook: StatsHook) -> RemovableHandle:
-        handle = RemovableHandle(self._hooks)
-        self._hooks[handle.id] = hook
+        handle = RemovableHandle(self.hooks)
+        self.hooks[handle.id] = hook
         return handle
 
     def push(self, state: DeviceState, policy: ScalePolicy, watch: bool) -> Alarm | None:
@@ -163,7 +164,7 @@ class StepReporter:
         device counts the streaks all the same).
         """
         capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()  # type: ignore[no-untyped-call]
-        listening = self._hooks or self.max_consecutive_skips is not None
+        listening = self.hooks or self.max_consecutive_skips is not None
         listening = bool(listening or logger.isEnabledFor(logging.INFO))
         if capturing or not (listening or watch):
             self._pending = None
@@ -210,7 +211,7 @@ class StepReporter:
     def _alarm(self, streaks: list[float], policy: ScalePolicy) -> Alarm | None:
         """The alarm the streaks `[floor, loss]` (read now) sound, if any; each warning once
         (the loss streak's once a streak)."""
-        floor, losses = (int(count) for count in streaks)
+        floor, losses = map(int, streaks)
         self._streaking, self._floor_streak = bool(floor or losses), floor
         self._warned_loss_streak &= losses >= LOSS_STREAK_WARNING
         limit = self.max_overflows_at_floor
@@ -232,7 +233,7 @@ class StepReporter:
         if stats.underflow_step == stats.steps and stats.underflow > UNDERFLOW_TARGET:
             values = (stats.steps, 100 * stats.underflow, stats.underflow_scale)
             logger.info(_UNDERFLOW_MESSAGE, *values, 100 * UNDERFLOW_TARGET)
-        for hook in list(self._hooks.values()):
+        for hook in list(self.hooks.values()):
             hook(stats)
         limit = self.max_consecutive_skips
         if limit is not None and stats.consecutive_skips > limit:

@@ -1,60 +1,42 @@
-"""The scaler's state: on the device where each step updates it, and in its checkpoint format.
+"""What the scaler remembers: the scale state on the device where each step moves it, where
+that state lives, and the iteration under way.
 
 Invariant: between two `update()` calls the device tensors hold exactly what a state dict would
-read back (one host read, `DeviceState.packed`, gets all of it); a state dict is loaded whole or
-not at all (`parse_state_dict` validates every key, value and relation before anything changes).
+read back (one host read, `DeviceState.packed`, gets all of it; the state dict's format is
+`shardscale._checkpoint`'s). [`ScaleHome`][] answers "does this rank hold a scale?" and is the one
+path by which the state changes.
 
-Checkpoints load both ways with torch's scalers: our state dict carries torch's five keys with
-torch's meanings (`scale`, `growth_factor`, `backoff_factor`, `growth_interval`,
-`_growth_tracker`), which is all `torch.amp.GradScaler.load_state_dict` reads; ours adds the
-hysteresis settings, the floor and ceiling, `dynamic`, the step counters, `format_version` and
-the scale policy with its learned state (`scale_policy`, `_fit_margin`, `_fit_window`,
-`_fit_streak`).
-A torch state dict has none of our keys and loads with our current settings, a full hysteresis
-allowance and zeroed counters. Each format version has its own set of our keys, all required (a
-dict with only some of them is damaged): version 0 (no `format_version`) and 1 lack the
-forward-overflow and retry counters of version 2, which then start at 0; versions 0 to 2 lack
-the policy's keys of version 3 (the loading scaler keeps its own policy, and the fit's margin and
-window start afresh); version 3 lacks the fit's overflow streak of version 4 (it starts at 0); a
-dict from a newer shardscale is refused. All values are Python numbers
-(the policy's name a string, the window a list of them), identical on every rank, so
-`torch.distributed.checkpoint` stores one copy and loads it at any world size.
+An iteration runs from one `update()` to the next: scale, backward, then per optimizer at most
+one `unscale_` (before its `step`) and one `step`, and at most one `clip_grad_norm_`. Its
+[`IterationBook`][] enforces those rules, raising torch's own errors in torch's words (users'
+`match=` strings keep working), and remembers what `clip_grad_norm_` already unscaled and agreed,
+which local checks of `unscale_` still wait for the agreement, and whether every loss `scale()`
+saw was finite. `shardscale._stepping` does the work of each call on it.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
-from enum import IntEnum
+import operator
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from enum import Enum, IntEnum
+from itertools import chain
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from shardscale._bins import meter_reading
 from shardscale._errors import no_scale_message
-from shardscale._exchange import BIN_LOW, UNDERFLOW_BELOW, UNDERFLOW_TARGET, Flag, Verdict
+from shardscale._exchange import Flag, Verdict
 from shardscale._policy import (
-    SCALE_POLICIES,
     ScalePolicy,
     ScaleState,
-    check_bool,
-    check_choice,
-    check_int,
-    check_real,
 )
+from shardscale._torch import in_pipeline_shape_inference, no_torch_function_subclass
 
-# The version `state_dict()` writes.
-FORMAT_VERSION = 4
-
-TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-_POLICY_KEYS = ("hysteresis", "_hysteresis_tracker", "min_scale", "max_scale", "dynamic")
-_V0_KEYS = (*_POLICY_KEYS, "steps", "skipped_steps", "consecutive_skips", "last_overflow_step")
-_V1_KEYS = (*_V0_KEYS, "format_version")
-_V2_KEYS = (*_V1_KEYS, "forward_overflows", "retries")
-_V3_KEYS = (*_V2_KEYS, "scale_policy", "_fit_margin", "_fit_window")
-_V4_KEYS = (*_V3_KEYS, "_fit_streak")
-# Our keys in each format version: all of them, or none (a torch state dict).
-OUR_KEYS_BY_VERSION = {0: _V0_KEYS, 1: _V1_KEYS, 2: _V2_KEYS, 3: _V3_KEYS, 4: _V4_KEYS}
+_LEAVES = operator.itemgetter(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,141 +69,6 @@ class ScalerState:
     policy: ScalePolicy
     scale: ScaleState
     counters: Counters
-
-
-def to_state_dict(state: ScalerState) -> dict[str, Any]:
-    """The state as a flat dict of Python numbers, torch's keys first."""
-    policy = state.policy
-    return {
-        "scale": state.scale.scale,
-        **{k: getattr(policy, k) for k in ("growth_factor", "backoff_factor", "growth_interval")},
-        "_growth_tracker": state.scale.growth_tracker,
-        "hysteresis": policy.hysteresis,
-        "_hysteresis_tracker": state.scale.hysteresis_tracker,
-        **{k: getattr(policy, k) for k in ("min_scale", "max_scale", "dynamic")},
-        **{f.name: getattr(state.counters, f.name) for f in fields(Counters)},
-        "format_version": FORMAT_VERSION,
-        "scale_policy": SCALE_POLICIES[policy.fit],
-        "_fit_margin": state.scale.margin,
-        "_fit_window": list(state.scale.window),
-        "_fit_streak": state.scale.streak,
-    }
-
-
-def _number(state_dict: Mapping[str, Any], key: str, kind: type[int] | type[float]) -> Any:
-    """`state_dict[key]` as an int or a float (a one-element tensor, an integral float taken)."""
-    value = state_dict[key]
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
-        value = value.item()
-    if kind is int and isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return (check_int if kind is int else check_real)(f"state_dict[{key!r}]", value)
-
-
-def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> ScalerState:
-    """Validate `state_dict` whole and return the state it describes.
-
-    Args:
-        state_dict: from `state_dict()` of this class or of a torch scaler.
-        current: the loading scaler's policy, kept for settings a torch state dict lacks.
-
-    Raises:
-        RuntimeError: the dict is empty (saved by a disabled scaler), as torch words it.
-        ValueError: keys are missing or unknown, or a value breaks a rule (named with the value).
-        TypeError: a value has the wrong type.
-    """
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
-    if len(state_dict) == 0:
-        raise RuntimeError(
-            "The source state dict is empty, possibly because it was saved "
-            "from a disabled instance of GradScaler."
-        )
-    keys = set(state_dict)
-    # the format version: its `format_version`, 0 without one
-    version = _number(state_dict, "format_version", int) if "format_version" in state_dict else 0
-    if version not in OUR_KEYS_BY_VERSION:
-        raise ValueError(
-            f"state_dict['format_version'] must be one of {sorted(OUR_KEYS_BY_VERSION)}, got "
-            f"{version}: a newer shardscale saved it"
-        )
-    our_keys = OUR_KEYS_BY_VERSION[version]
-    known = {*TORCH_KEYS, *our_keys}
-    unknown = sorted(str(k) for k in keys - known)
-    newer = [v for v, ks in OUR_KEYS_BY_VERSION.items() if v and not set(unknown) - set(ks)]
-    if unknown and version == 0 and newer:  # a newer format's keys, without its version
-        raise ValueError(
-            f"state_dict has format version {min(newer)}'s key(s) {unknown} but no "
-            "'format_version': add the version it was saved with, or remove those keys"
-        )
-    if unknown:
-        raise ValueError(
-            f"state_dict has unknown key(s) {unknown} for format version {version}; expected "
-            f"{sorted(known)}"
-        )
-    missing = [k for k in TORCH_KEYS if k not in keys]
-    if missing:
-        raise ValueError(f"state_dict is missing required key(s) {missing}")
-    absent = [k for k in our_keys if k not in keys]
-    ours = len(absent) < len(our_keys)
-    if ours and absent:
-        raise ValueError(
-            f"state_dict has some of shardscale's keys but not {absent}: it is damaged "
-            "(a torch scaler's state dict has none of them, ours has all)"
-        )
-    kinds = {"growth_factor": float, "backoff_factor": float, "growth_interval": int}
-    policy_changes: dict[str, Any] = {k: _number(state_dict, k, kind) for k, kind in kinds.items()}
-    scale = _number(state_dict, "scale", float)
-    growth_tracker = _number(state_dict, "_growth_tracker", int)
-    if not math.isfinite(scale) or scale <= 0.0:
-        raise ValueError(f"state_dict['scale'] must be finite and > 0, got {scale}")
-    fit_state = {}  # an older format's: the margin and window start afresh
-    hysteresis_tracker: int | None = None  # None: a torch state dict, the allowance starts full
-    if ours:
-        kinds = {"hysteresis": int, "min_scale": float, "max_scale": float}
-        policy_changes.update({k: _number(state_dict, k, kind) for k, kind in kinds.items()})
-        policy_changes["dynamic"] = check_bool("state_dict['dynamic']", state_dict["dynamic"])
-        hysteresis_tracker = _number(state_dict, "_hysteresis_tracker", int)
-    # counters an older format (or a torch state dict: none) lacks start at 0
-    names = [f.name for f in fields(Counters) if f.name in keys]
-    counters = Counters(**{name: _number(state_dict, name, int) for name in names})
-    if version >= 3:
-        name = check_choice("state_dict['scale_policy']", state_dict["scale_policy"])
-        policy_changes["fit"] = name == "fit"
-        window = state_dict["_fit_window"]
-        if not isinstance(window, (list, tuple)):
-            raise TypeError(f"state_dict['_fit_window'] must be a list, got {window!r}")
-        fit_state = {
-            "margin": _number(state_dict, "_fit_margin", int),
-            "window": tuple(check_real("state_dict['_fit_window']", v) for v in window),
-        }
-        if version >= 4:
-            fit_state["streak"] = _number(state_dict, "_fit_streak", int)
-    policy = replace(current, **policy_changes)  # ScalePolicy validates the settings
-    tracker = policy.hysteresis if hysteresis_tracker is None else hysteresis_tracker
-    scale_state = ScaleState(scale, growth_tracker, tracker, **fit_state)
-    policy.check_state(scale_state)
-    if not 0 <= counters.consecutive_skips <= counters.skipped_steps <= counters.steps:
-        raise ValueError(
-            "state_dict counters must satisfy 0 <= consecutive_skips <= skipped_steps <= steps, "
-            f"got consecutive_skips={counters.consecutive_skips}, "
-            f"skipped_steps={counters.skipped_steps}, steps={counters.steps}"
-        )
-    # skipped_steps >= 0 here: the last overflow's step is 0 with no skip, else in [1, steps]
-    low, high = (0, 0) if counters.skipped_steps == 0 else (1, counters.steps)
-    if not low <= counters.last_overflow_step <= high:
-        raise ValueError(
-            "state_dict['last_overflow_step'] must be 0 when no step was skipped, else in "
-            f"[1, steps]; got last_overflow_step={counters.last_overflow_step}, "
-            f"skipped_steps={counters.skipped_steps}, steps={counters.steps}"
-        )
-    if not 0 <= counters.forward_overflows <= counters.skipped_steps or counters.retries < 0:
-        raise ValueError(
-            "state_dict counters must satisfy 0 <= forward_overflows <= skipped_steps and "
-            f"retries >= 0, got forward_overflows={counters.forward_overflows}, "
-            f"skipped_steps={counters.skipped_steps}, retries={counters.retries}"
-        )
-    return ScalerState(policy=policy, scale=scale_state, counters=counters)
 
 
 # The slots of `DeviceState.counters`: `Counters`' fields (SINCE_OVERFLOW: steps since the last
@@ -276,8 +123,10 @@ class DeviceState:
             2**53). Steps since the last overflow rather than its step number, because it updates
             with the same multiply-add as the others.
         count_terms: `_COUNT_TERMS` on this device (float32, 3 x 18: the base, then the slopes).
-        fit: float32 `[margin, streak, window...]` of the `fit` policy (`ScaleState`'s).
-        meter: float64 `[step, fraction, scale]`: the meter's last reading (`_meter_`; zeros: none).
+        fit: float32 `[margin, streak, window...]`: the fit's fields of
+            [`ScaleState`][shardscale.ScaleState].
+        meter: float64 `[step, fraction, scale]`: the meter's last reading
+            (`shardscale._bins.meter_reading`; zeros: none).
     """
 
     scale: torch.Tensor
@@ -334,8 +183,9 @@ class DeviceState:
         rows = terms[0] if clean else torch.addmm(terms[:1], flags.view(1, 2), terms[1:])
         keep, add = rows.view(2, len(Count))
         torch.addcmul(add[:COUNTERS], self.counters, keep[:COUNTERS], out=self.counters)
-        if verdict.counts is not None:  # counted this step, the scale not moved yet
-            self._meter_(verdict.counts.double())
+        if verdict.counts is not None:  # counted this step, read at the scale not moved yet
+            reading = meter_reading(verdict.counts.double(), self.scale, self.counters[Count.STEPS])
+            self.meter.copy_(reading)
         if manual is not None:
             self.scale.copy_(manual)
         elif policy.fit:  # the fit's bound, by the scale the gradients carried
@@ -350,19 +200,6 @@ class DeviceState:
             policy.update_(self.scale, *trackers, add[Count.BACKOFF], flags[Flag.FORWARD])
         if not clean and policy.dynamic:  # the floor streak goes on only at the floor
             self.counters[Count.FLOOR_STREAK].mul_(self.scale <= policy.min_scale)
-
-    def _meter_(self, counts: torch.Tensor) -> None:
-        """Read the meter from the group's counts, on the device: the step, the fraction of
-        the non-zero elements below `UNDERFLOW_BELOW` (subnormal in fp16) at this scale, and
-        the scale, this one times a power of two, from which at most `UNDERFLOW_TARGET` of them
-        would be (the lowest such; NaN without a non-zero element)."""
-        below = int(math.log2(UNDERFLOW_BELOW)) - BIN_LOW + 1  # the bins under it: 0 .. below-1
-        total = counts.sum()
-        shares = counts.cumsum(0) / total  # at each bin: the fraction at or under it
-        shift = below - (shares <= UNDERFLOW_TARGET).sum()  # bins to move up (or down)
-        fitted = torch.where(total > 0, self.scale * torch.exp2(shift), math.nan)
-        step = self.counters[Count.STEPS]
-        self.meter.copy_(torch.stack([step, shares[below - 1], fitted.double()]))
 
     def back_off_for_retry_(self, policy: ScalePolicy) -> bool:
         """Back the scale off once for a rerun of the batch (`step(closure=...)`), and count the
@@ -471,3 +308,204 @@ class ScaleHome:
             return self.host
         scale, counters = unpack(self.device.packed().tolist())
         return ScalerState(policy=self.host.policy, scale=scale, counters=counters)
+
+
+Stage = Enum("Stage", "READY UNSCALED STEPPED", start=0)
+
+
+@dataclass(slots=True)
+class OptimizerRecord:
+    """Where one optimizer is in the iteration, and what the group agreed for it.
+
+    Attributes:
+        takes_scale: Whether its `step()` reads `grad_scale`/`found_inf` itself (fused, and
+            capturable with amp support): it unscales and skips on the device, with no host
+            synchronisation; its gradients are only checked.
+    """
+
+    optimizer: torch.optim.Optimizer
+    takes_scale: bool
+    stage: Stage = Stage.READY
+    verdict: Verdict | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClipRecord:
+    """What `clip_grad_norm_` unscaled and agreed on in this iteration, for steps to take."""
+
+    param_ids: frozenset[int]
+    verdict: Verdict
+
+
+@dataclass(slots=True)
+class PendingCheck:
+    """Gradients `unscale_()` checked and unscaled locally, whose flags await the agreement
+    (the next `step`, `clip_grad_norm_` or `update`), so `unscale_` + clip + step still cost
+    one collective.
+
+    Attributes:
+        bins: Their bins (`shardscale._bins`; the fit's, or on the meter's steps its counts),
+            taken before the unscale.
+    """
+
+    records: list[OptimizerRecord] = field(default_factory=list)
+    flags: list[torch.Tensor] = field(default_factory=list)
+    has_elements: bool = False
+    bins: list[torch.Tensor] = field(default_factory=list)
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """Every parameter of every param group of `optimizer`, in order."""
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def params_of(records: Iterable[OptimizerRecord]) -> Iterator[torch.Tensor]:
+    """The parameters of the records' optimizers, in order."""
+    for record in records:
+        for group in record.optimizer.param_groups:
+            yield from group["params"]
+
+
+@dataclass(slots=True)
+class IterationBook:
+    """The records of one iteration (module docstring).
+
+    Attributes:
+        step: The number (1-based) of the step this iteration takes; error messages name it.
+        loss_scale: The scale this iteration's losses were multiplied by, a copy of the live one
+            made at its first `scale()` (None: not yet, or never on this rank: a pipeline stage that
+            computes no loss, which takes the live one); its gradients are divided by exactly this.
+        loss_nonfinite: bool scalar: some loss `scale()` multiplied in this iteration was inf or NaN
+            (None: none was scaled on this rank).
+        losses: The losses themselves (detached), to locate a forward overflow.
+    """
+
+    step: int
+    loss_scale: torch.Tensor | None = None
+    records: dict[int, OptimizerRecord] = field(default_factory=dict)
+    clipped: ClipRecord | None = None
+    pending: PendingCheck = field(default_factory=PendingCheck)
+    loss_nonfinite: torch.Tensor | None = None
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+    def note_loss(self, loss: torch.Tensor, into: torch.Tensor | None) -> None:
+        """Remember on the device whether `loss` is finite: two kernels (a third for a loss of
+        several elements, and from the second loss on: gradient accumulation counts every
+        micro-batch); no host synchronisation. The first loss's bit is written `into` that
+        tensor, if given (one a CUDA graph reads). The loss is kept (a reference, no copy) to
+        locate a forward overflow."""
+        if "torch.distributed.pipelining" in sys.modules and in_pipeline_shape_inference():
+            return  # a loss of placeholder tensors (see there): nothing to check
+        value = loss.detach()
+        if isinstance(value, DTensor):  # a loss_parallel loss: this rank's part of it
+            value = value.to_local()
+        nonfinite = torch.isnan(value * 0)  # inf * 0 and NaN * 0 are NaN; a finite x: 0
+        nonfinite = nonfinite.reshape(()) if nonfinite.numel() == 1 else nonfinite.any()
+        if self.loss_nonfinite is not None:
+            self.loss_nonfinite |= nonfinite
+        else:
+            self.loss_nonfinite = nonfinite if into is None else into.copy_(nonfinite)
+        self.losses.append(value)
+
+    def record(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
+        """`optimizer`'s record in this iteration, made at its first call."""
+        record = self.records.get(id(optimizer))
+        if record is None:
+            takes_scale = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+            record = self.records[id(optimizer)] = OptimizerRecord(optimizer, takes_scale)
+        return record
+
+    def begin_unscale(
+        self, targets: list[tuple[Any, tuple[torch.optim.Optimizer, ...]]]
+    ) -> tuple[list[OptimizerRecord], list[OptimizerRecord]]:
+        """The records of the targets' leaves that `unscale_` must check now, and those that
+        took `clip_grad_norm_`'s unscale and verdict instead.
+
+        Raises:
+            RuntimeError: an optimizer was unscaled already, or stepped, since the last update.
+        """
+        to_check, adopted = [], []
+        for optimizer in chain.from_iterable(map(_LEAVES, targets)):
+            record = self.record(optimizer)
+            if self.clipped is not None and self._adopt_clip(record, self.clipped):
+                adopted.append(record)
+            elif record.stage is Stage.UNSCALED:
+                raise RuntimeError(
+                    "unscale_() has already been called on this optimizer since the last update()."
+                )
+            elif record.stage is Stage.STEPPED:
+                raise RuntimeError("unscale_() is being called after step().")
+            else:
+                to_check.append(record)
+        return to_check, adopted
+
+    def begin_step(
+        self, targets: list[tuple[Any, tuple[torch.optim.Optimizer, ...]]]
+    ) -> tuple[list[tuple[Any, list[OptimizerRecord]]], list[OptimizerRecord]]:
+        """`step`'s targets, each with its leaves' records, and the records that took
+        `clip_grad_norm_`'s unscale and verdict just now.
+
+        Raises:
+            RuntimeError: one of them was stepped already since the last update.
+        """
+        recorded, adopted = [], []
+        for target, target_leaves in targets:
+            records = []
+            for optimizer in target_leaves:
+                record = self.record(optimizer)
+                if record.stage is Stage.STEPPED:
+                    raise RuntimeError("step() has already been called since the last update().")
+                records.append(record)
+                if self.clipped is not None and self._adopt_clip(record, self.clipped):
+                    adopted.append(record)
+            recorded.append((target, records))
+        return recorded, adopted
+
+    def begin_clip(self, params: list[torch.Tensor]) -> bool:
+        """Whether `clip_grad_norm_`'s gradients still carry the scale (False: `unscale_()`
+        divided it out of every one of them: they are clipped as they are).
+
+        Raises:
+            RuntimeError: the clip was called already since the last update, or after some,
+                but not all, of its parameters were unscaled.
+        """
+        if self.clipped is not None:
+            raise RuntimeError("clip_grad_norm_() has already been called since the last update().")
+        ids = frozenset(map(id, params))
+        done: set[int] = set()  # the parameters unscaled already
+        for record in self.records.values():
+            if record.stage is not Stage.READY:
+                done.update(map(id, params_of((record,))))
+        if ids & done and not ids <= done:
+            raise RuntimeError(
+                "clip_grad_norm_() got parameters of which some, but not all, were already "
+                "unscaled by unscale_(): clip each optimizer's parameters after its unscale_(), "
+                "or all of them before any unscale_()"
+            )
+        return not (done and ids <= done)
+
+    def _adopt_clip(self, record: OptimizerRecord, clipped: ClipRecord) -> bool:
+        """Take `clip_grad_norm_`'s unscale and flag for `record` if the clip covered it: every
+        parameter of its optimizer (the usual case: no `.grad` read, 0.3 us a parameter), or
+        every one with a gradient.
+
+        Raises:
+            RuntimeError: the clip covered some, but not all, of the optimizer's gradients.
+        """
+        if record.stage is not Stage.READY:
+            return False
+        if not clipped.param_ids.issuperset(map(id, params_of((record,)))):
+            with no_torch_function_subclass():  # DTensor .grad: 0.1 us, not 0.25
+                mine = {id(p) for p in params_of((record,)) if p.grad is not None}
+            covered = mine <= clipped.param_ids
+            if mine & clipped.param_ids and not covered:
+                raise RuntimeError(
+                    "clip_grad_norm_() unscaled some, but not all, of this optimizer's gradients: "
+                    "pass every parameter of the optimizers it precedes (e.g. model.parameters())"
+                )
+            if not covered:
+                return False
+        record.verdict = clipped.verdict
+        record.stage = Stage.UNSCALED
+        return True

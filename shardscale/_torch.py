@@ -35,6 +35,9 @@ check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 update_scale_ = torch._amp_update_scale_
 # One norm per tensor, in one kernel per (device, dtype) group, in a dtype asked for.
 foreach_norm = torch._foreach_norm
+# Every tensor times one scalar tensor, in one kernel per (device, dtype) group (the CPU's
+# vectorised multiply: `Kernels.multiply_`).
+foreach_mul_ = torch._foreach_mul_
 
 
 def group_device_types(group: dist.ProcessGroup) -> list[str]:

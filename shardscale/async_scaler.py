@@ -52,7 +52,8 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from shardscale._exchange import Exchange, timeout_option
+from shardscale._config import timeout_option
+from shardscale._exchange import Exchange
 from shardscale._report import ScalerStats
 from shardscale._stepping import OptimizerTarget, leaves
 from shardscale.scaler import ShardedGradScaler, passes_itself

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from shardscale._state import OUR_KEYS_BY_VERSION, TORCH_KEYS
+from shardscale._checkpoint import OUR_KEYS_BY_VERSION, TORCH_KEYS
 
 # every key any format version has (the newest's: each version adds to the last): read whichever
 # the checkpoint holds

@@ -7,22 +7,24 @@ share ONE flag tensor in ONE all-reduce per step; everything after that (the ski
 policy maths) is a deterministic function of the agreed flags.
 
 One step, as the code runs it: `scale()` multiplies the loss by a copy of the scale and notes
-on the device whether the loss is finite; `step()` hands the iteration's
-[`IterationBook`][shardscale._stepping.IterationBook] to the
-[`Stepper`][shardscale._stepping.Stepper], which walks the local gradients
-(`shardscale._grads`), checks and unscales them in one fused pass per (device, dtype)
-(`shardscale._check`), agrees in the one collective (`shardscale._exchange`) and steps or skips;
-`update()` counts the step and moves the scale on the device (`shardscale._state`,
-`shardscale._policy`) and tells whoever listens (`shardscale._report`).
+on the device whether the loss is finite; `step()` has the
+[`Stepper`][shardscale._stepping.Stepper] agree on it
+([`agree_step`][shardscale._stepping.Stepper.agree_step]: it walks the local gradients,
+`shardscale._grads`, checks and unscales them in one fused pass per (device, dtype),
+`shardscale._check`, and agrees in the one collective, `shardscale._exchange`), then run the plan
+it returns (step, or skip); `update()` counts the step and moves the scale on the device
+(`shardscale._state`, `shardscale._policy`) and tells whoever listens (`shardscale._report`).
+The iteration's records are its [`IterationBook`][shardscale._state.IterationBook].
 """
 
 from __future__ import annotations
 
 import inspect
+import operator
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
-from typing import Any, NoReturn, cast, overload
+from typing import Any, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -31,9 +33,10 @@ from torch.utils.hooks import RemovableHandle
 
 from shardscale import _compat
 from shardscale._check import check_clip_args
+from shardscale._checkpoint import parse_state_dict, to_state_dict
 from shardscale._config import ScalerConfig
 from shardscale._errors import ShardScaleWarning, no_scale_message
-from shardscale._exchange import Exchange, Flag, Verdict
+from shardscale._exchange import Exchange, Flag, Verdict, combined
 from shardscale._grads import grads_device, move, plain_replicas
 from shardscale._locate import NonFiniteGrad
 from shardscale._policy import MIN_SCALE, ScalePolicy
@@ -45,45 +48,19 @@ from shardscale._report import (
     stats_from,
     stats_of,
 )
-from shardscale._state import Counters, ScaleHome, ScalerState, parse_state_dict, to_state_dict
-from shardscale._stepping import (
-    Clip,
-    Clipped,
+from shardscale._state import (
+    Counters,
     IterationBook,
-    OptimizerTarget,
+    ScaleHome,
+    ScalerState,
     Stage,
-    Stepper,
-    combined,
-    leaves,
     optimizer_params,
 )
+from shardscale._stepping import ClipRequest, OptimizerTarget, Stepper, leaves
 
 __all__ = ["ShardedGradScaler"]
 
-
-def _torch_view(instead: str) -> Callable[[Callable[[Any], Any]], Any]:
-    """A read-only property under one of torch's private names; assigning it raises, saying
-    what to use instead (it mirrors the agreed state, which only the protocol moves)."""
-
-    def make(read: Callable[[Any], Any]) -> property:
-        def refuse(self: Any, value: object) -> NoReturn:
-            raise AttributeError(
-                f"{type(self).__name__}.{read.__name__} mirrors shardscale's agreed state and "
-                f"cannot be assigned; use {instead}"
-            )
-
-        return property(read, refuse, doc=read.__doc__)
-
-    return make
-
-
-def _torch_alias(getter: str, setter: str) -> Any:
-    """torch's private attribute for a setting: reading is `getter()`, writing `setter()`."""
-    return property(
-        lambda self: getattr(self, getter)(),
-        lambda self, value: getattr(self, setter)(value),
-        doc=f"`{getter}()`; writing it is `{setter}()` (checked).",
-    )
+_VERDICT = operator.attrgetter("verdict")
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -314,8 +291,29 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return outputs
-        if isinstance(outputs, torch.Tensor):
-            return self._scale_tensor(outputs)
+        if not isinstance(outputs, torch.Tensor):
+            return self._scale_iterable(outputs)
+        if not outputs.is_floating_point():
+            raise TypeError(f"scale() takes floating-point tensors, got dtype {outputs.dtype}")
+        device_type = self._config.device
+        if device_type is not None and outputs.device.type != device_type:
+            raise ValueError(
+                f"scale() got a tensor on {outputs.device}, but this scaler was built with "
+                f"device={device_type!r}; pass the loss's device, or leave device unset"
+            )
+        book = self._book
+        if book.loss_scale is None:
+            # A copy of the live scale, once per iteration: the iteration's gradients are
+            # divided by it even where update() moves the live one before they are stepped
+            # (the async scaler), and update() never modifies a tensor autograd saved.
+            live = self._home.at(outputs.device, loss=True).scale
+            captured = self._captured
+            book.loss_scale = live.clone() if captured is None else captured[0].copy_(live)
+        book.note_loss(outputs, into=None if self._captured is None else self._captured[1])
+        return (outputs * move(book.loss_scale, outputs.device)).to(outputs.dtype)
+
+    def _scale_iterable(self, outputs: Iterable[Any]) -> Iterable[Any]:
+        """`scale()` of (nested) lists and tuples of tensors, and of other iterables, lazily."""
         if isinstance(outputs, (list, tuple)):
             return type(outputs)(self.scale(output) for output in outputs)
         if isinstance(outputs, (str, bytes, Mapping)) or not isinstance(outputs, Iterable):
@@ -324,27 +322,6 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 f"{type(outputs).__name__}"
             )
         return map(self.scale, outputs)
-
-    def _scale_tensor(self, output: torch.Tensor) -> torch.Tensor:
-        if not output.is_floating_point():
-            raise TypeError(f"scale() takes floating-point tensors, got dtype {output.dtype}")
-        device_type = self._config.device
-        if device_type is not None and output.device.type != device_type:
-            raise ValueError(
-                f"scale() got a tensor on {output.device}, but this scaler was built with "
-                f"device={device_type!r}; pass the loss's device, or leave device unset"
-            )
-        book = self._book
-        if book.loss_scale is None:
-            # A copy of the live scale, once per iteration: the iteration's gradients are
-            # divided by it even where update() moves the live one before they are stepped
-            # (the async scaler), and update() never modifies a tensor autograd saved.
-            live = self._home.at(output.device, loss=True).scale
-            captured = self._captured
-            book.loss_scale = live.clone() if captured is None else captured[0].copy_(live)
-        bit = None if self._captured is None else self._captured[1]
-        book.note_loss(output, into=bit)
-        return (output * move(book.loss_scale, output.device)).to(output.dtype)
 
     def unscale_(self, optimizer: OptimizerTarget) -> None:
         """Divide `optimizer`'s gradients by the scale in place, and check them for inf/NaN.
@@ -411,36 +388,52 @@ class ShardedGradScaler(torch.amp.GradScaler):
             RuntimeError: step() already ran since [`update()`][update].
         """
         listed = isinstance(optimizer, (list, tuple))
-        targets: list[Any] = list(optimizer) if listed else [optimizer]  # type: ignore[arg-type]
         if not self._enabled:
             loss = None if closure is None else closure()
+            targets: list[Any] = list(optimizer) if listed else [optimizer]  # type: ignore[arg-type]
             results = [target.step(*args, **kwargs) for target in targets]
             return loss if closure is not None else (results if listed else results[0])
-        if getattr(optimizer, "_step_supports_amp_scaling", False) and passes_itself(optimizer):
-            if closure is not None:
-                raise RuntimeError(
-                    f"step(closure=...) cannot retry {type(optimizer).__name__}: its step() takes "
-                    "grad_scaler= (torch's deprecated protocol) and reads the scale itself; run "
-                    "the closure, then step(optimizer)"
-                )
+        if closure is not None:
+            return self._step_with_closure(optimizer, closure, args, kwargs)
+        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        if fused and passes_itself(optimizer):
             return self._step_passing_itself(cast(torch.optim.Optimizer, optimizer), args, kwargs)
-        loss, book = None, self._book
-        for attempt in range(self._config.max_retries + 1 if closure is not None else 1):
-            if closure is not None:  # this batch, from its start
-                book = self._book = IterationBook(step=book.step)
-                with torch.enable_grad():
-                    loss = closure()
+        scale = self._loss_scale("step", optimizer)
+        plan = self._stepper.agree_step(self._book, optimizer, scale)
+        results = self._stepper.step(plan, scale, args, kwargs)
+        self._last = plan.verdict
+        return results if listed else results[0]
+
+    def _step_with_closure(
+        self,
+        optimizer: OptimizerTarget,
+        closure: Callable[[], Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """`step(closure=...)`: run the batch, and run it again at a backed-off scale where its
+        gradients (not its loss) overflowed on any rank, up to `max_retries` times; then step
+        or skip as agreed. Returns the loss of the closure's last run."""
+        if passes_itself(optimizer):
+            raise RuntimeError(
+                f"step(closure=...) cannot retry {type(optimizer).__name__}: its step() takes "
+                "grad_scaler= (torch's deprecated protocol) and reads the scale itself; run "
+                "the closure, then step(optimizer)"
+            )
+        for attempt in range(self._config.max_retries + 1):
+            self._book = IterationBook(step=self._book.step)  # this batch, from its start
+            with torch.enable_grad():
+                loss = closure()
             scale = self._loss_scale("step", optimizer)
-            items = self._stepper.check(book, optimizer, scale)
-            if closure is None or attempt == self._config.max_retries:
-                break
-            verdict = cast(Verdict, combined(book.records.values()))
-            if not verdict.skipped() or verdict.flags[Flag.FORWARD].item():
-                break  # stepped; or a forward overflow: skipped
+            plan = self._stepper.agree_step(self._book, optimizer, scale)
+            retry = attempt < self._config.max_retries and plan.verdict.skipped()
+            if not retry or plan.verdict.flags[Flag.FORWARD].item():
+                break  # stepped; or out of retries, or a forward overflow: skipped
             if not self._home.require("step").back_off_for_retry_(self.policy):
                 break  # the scale cannot go lower: skipped
-        results, self._last = self._stepper.step(book, items, scale, args, kwargs)
-        return loss if closure is not None else (results if listed else results[0])
+        self._stepper.step(plan, scale, args, kwargs)
+        self._last = plan.verdict
+        return loss
 
     def clip_grad_norm_(
         self,
@@ -493,25 +486,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         replicas = plain_replicas(replica_group, self._stepper.exchange.world_size)
         if not self._enabled:
-            clip = Clip(params, max_norm, norm_type, replicas, scaled=False)
-            return cast(torch.Tensor, self._stepper.clip(self._book, None, clip).total_norm)
-        book = self._book
-        if book.clipped is not None:
-            raise RuntimeError("clip_grad_norm_() has already been called since the last update().")
-        ids = frozenset(map(id, params))
-        done = book.unscaled_param_ids()
-        if ids & done and not ids <= done:
-            raise RuntimeError(
-                "clip_grad_norm_() got parameters of which some, but not all, were already "
-                "unscaled by unscale_(): clip each optimizer's parameters after its unscale_(), "
-                "or all of them before any unscale_()"
-            )
-        scaled = not (done and ids <= done)  # else unscale_() ran for these: clip them as they are
-        clip = Clip(params, max_norm, norm_type, replicas, scaled)
-        verdict = self._stepper.clip(book, self._loss_scale("clip_grad_norm_", params), clip)
-        if scaled:
-            book.clipped = Clipped(param_ids=ids, verdict=verdict)
-        return cast(torch.Tensor, verdict.total_norm)
+            request = ClipRequest(params, max_norm, norm_type, replicas, scaled=False)
+            return cast(torch.Tensor, self._stepper.clip(self._book, None, request).total_norm)
+        scaled = self._book.begin_clip(params)  # else unscale_() ran for these: clip them as are
+        request = ClipRequest(params, max_norm, norm_type, replicas, scaled)
+        scale = self._loss_scale("clip_grad_norm_", params)
+        return cast(torch.Tensor, self._stepper.clip(self._book, scale, request).total_norm)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Move the scale: back off if any optimizer skipped, grow after enough clean steps.
@@ -541,7 +521,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         state, book, policy = self._home.require("update"), self._book, self._home.host.policy
         if book.pending.records:  # unscale_() without step(): agree on it now
             self._stepper.agree(book, state.scale, "update")
-        verdict = combined(book.records.values())
+        verdict = combined(map(_VERDICT, book.records.values()))
         if new_scale is None and verdict is None:
             raise RuntimeError("No inf checks were recorded prior to update.")
         manual = None if new_scale is None else policy.new_scale_tensor(new_scale)
@@ -549,8 +529,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
         alarm = None
         if verdict is not None:
             state.apply_(policy, verdict, manual)
-            # a step the host did not read as clean: its streaks are watched
-            alarm = self._reporter.push(state, policy, watch=verdict.read is not False)
+            # A step the host did not read as clean has its streaks watched; one it read as
+            # clean, not a meter step, has nothing to report (no skip to log, no streak, no
+            # meter reading) but to hooks, and to the skip limit's check of an earlier step.
+            watch, reporter = verdict.read is not False, self._reporter
+            listening = reporter.hooks or reporter.max_consecutive_skips is not None
+            if watch or verdict.counts is not None or listening:
+                alarm = reporter.push(state, policy, watch)
         elif manual is not None:
             state.scale.copy_(manual)
         self._book = IterationBook(step=taken + 1)
@@ -735,24 +720,24 @@ class ShardedGradScaler(torch.amp.GradScaler):
     # through `_lazy_init_scale_growth_tracker`): each answers with what the group AGREED, and
     # costs nothing on a step nobody reads it.
 
-    @_torch_view("update(new_scale=...) or load_state_dict()")
+    @_compat.torch_view("update(new_scale=...) or load_state_dict()")
     def _scale(self) -> torch.Tensor | None:
         """The live scale tensor (None before the first `scale()`): in-place writes set it."""
         return None if self._home.device is None else self._home.device.scale
 
-    @_torch_view("load_state_dict()")
+    @_compat.torch_view("load_state_dict()")
     def _growth_tracker(self) -> torch.Tensor | None:
         """The int32 growth tracker tensor (None before the first `scale()`), as torch's."""
         return None if self._home.device is None else self._home.device.growth_tracker
 
-    @_torch_view("the device argument, or the first loss's device")
+    @_compat.torch_view("the device argument, or the first loss's device")
     def _device(self) -> str:
         """The device type (accelerate reads it on resume)."""
         if self._home.device is not None:
             return self._home.device.scale.device.type
         return self._config.device or "cpu"
 
-    @_torch_view("unscale_(), step() and update()")
+    @_compat.torch_view("unscale_(), step() and update()")
     def _per_optimizer_states(self) -> _compat.OptimizerStates:
         """Per `id(optimizer)`: `{"stage": OptState, "found_inf_per_device": {device: flag}}`.
 
@@ -762,9 +747,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """
         return _compat.OptimizerStates(self._book, self._agree_for_view)
 
-    _growth_factor = _torch_alias("get_growth_factor", "set_growth_factor")
-    _backoff_factor = _torch_alias("get_backoff_factor", "set_backoff_factor")
-    _growth_interval = _torch_alias("get_growth_interval", "set_growth_interval")
+    _growth_factor = _compat.torch_alias("get_growth_factor", "set_growth_factor")
+    _backoff_factor = _compat.torch_alias("get_backoff_factor", "set_backoff_factor")
+    _growth_interval = _compat.torch_alias("get_growth_interval", "set_growth_interval")
 
     @property
     def _init_scale(self) -> float:
@@ -812,7 +797,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         records = [book.records[id(leaf)] for leaf in leaves(optimizer) if id(leaf) in book.records]
         if any(r is p for r in records for p in book.pending.records):
             self._agree_for_view(book)  # as reading `_per_optimizer_states` does
-        return _compat.found_inf_per_device(combined(records))
+        return _compat.found_inf_per_device(combined(map(_VERDICT, records)))
 
     def _check_inf_per_device(self, optimizer: OptimizerTarget) -> dict[str, Any]:
         """Check `optimizer`'s gradients (not unscaling them) and agree: one collective.
@@ -826,7 +811,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if not self._enabled:
             raise RuntimeError("_check_inf_per_device() was called on a disabled scaler")
         scale = self._loss_scale("_check_inf_per_device", optimizer)
-        records = self._book.begin_step(leaves(optimizer))[0]
+        records = [self._book.record(leaf) for leaf in leaves(optimizer)]
         self._stepper.agree(self._book, scale, "_check_inf_per_device", check=records)
         return self._found_inf_per_device(optimizer)
 
@@ -873,10 +858,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
         The optimizer unscales and skips itself; what it reads back is the agreed state.
         """
         self._loss_scale("step", optimizer)
-        records, _adopted = self._book.begin_step(leaves(optimizer))
+        records = [self._book.record(leaf) for leaf in leaves(optimizer)]
         warnings.warn(_compat.GRAD_SCALER_WARNING, FutureWarning, stacklevel=3)
         result = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
-        self._last = combined(records)
+        self._last = combined(map(_VERDICT, records))
         for record in records:
             record.stage = Stage.STEPPED
         return result

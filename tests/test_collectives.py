@@ -100,8 +100,8 @@ def _agree_on_cpu(
         return work(kwargs["async_op"]) if callable(work) else work
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
-    ballot = exchange.ballot(torch.device("cpu"), holds_grads=True, has_scale=True)
-    exchange.agree(ballot, [], step=step)
+    ballot = exchange.ballot(torch.device("cpu"), has_elements=True, has_scale=True)
+    exchange.agree(ballot, [], step=step, caller="step")
 
 
 # ---------------------------------------------------------------------------- W1: late or gone
@@ -183,8 +183,8 @@ def nccl_on_meta(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
 
 def _meta_step(exchange: Exchange, step: int) -> torch.Tensor:
-    ballot = exchange.ballot(META, holds_grads=True, has_scale=True)
-    return exchange.agree(ballot, [], step=step).found_inf
+    ballot = exchange.ballot(META, has_elements=True, has_scale=True)
+    return exchange.agree(ballot, [], step=step, caller="step").found_inf
 
 
 def test_agree_on_an_accelerator_never_waits_on_the_host(

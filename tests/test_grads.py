@@ -27,16 +27,15 @@ def test_grad_walk_groups_by_device_and_dtype_and_replica_count() -> None:
     grads = [torch.zeros(4), torch.zeros(2, dtype=torch.float16), torch.zeros(8)]
     params = _params_with_grads(grads)
     params.append(nn.Parameter(torch.zeros(3)))  # no gradient: left out
-    groups, plain, holds = GradWalk().groups(params)
+    groups, has_elements = GradWalk().groups(params)
     cpu = torch.device("cpu")
     assert list(map(id, groups[(cpu, torch.float32)])) == [id(grads[0]), id(grads[2])]  # aliases
     assert list(map(id, groups[(cpu, torch.float16)])) == [id(grads[1])]
-    assert not plain  # no replica count asked
-    assert holds
-    norms, plain, _holds = GradWalk().groups(params, 2)
+    assert has_elements
+    norms, plain, _has_elements = GradWalk().norm_groups(params, 2)
     assert set(norms) == {(cpu, torch.float32, 2), (cpu, torch.float16, 2)}
     assert plain  # plain tensors: their count is the caller's
-    assert GradWalk().groups(_params_with_grads([torch.zeros(0)]))[2] is False  # an empty shard
+    assert GradWalk().groups(_params_with_grads([torch.zeros(0)]))[1] is False  # an empty shard
 
 
 def _tiles(buffer: torch.Tensor, sizes: list[int], gap: int = 0) -> list[torch.Tensor]:
@@ -54,7 +53,7 @@ def test_clip_groups_take_gradients_tiling_one_buffer_as_one_view() -> None:
     cpu = torch.device("cpu")
     buffer = torch.arange(40, dtype=torch.float32)
     views = _tiles(buffer[2:], [4, 6, 8])  # not from the buffer's start
-    (flat,) = GradWalk().groups(_params_with_grads(views), 1)[0][(cpu, torch.float32, 1)]
+    (flat,) = GradWalk().norm_groups(_params_with_grads(views), 1)[0][(cpu, torch.float32, 1)]
     assert flat.data_ptr() == views[0].data_ptr()
     assert torch.equal(flat, buffer[2:20])
     assert GradWalk().groups(_params_with_grads(views))[0][(cpu, torch.float32)] == views
@@ -67,7 +66,7 @@ def test_clip_groups_take_gradients_tiling_one_buffer_as_one_view() -> None:
         "the meta device": _tiles(torch.zeros(40, device="meta"), [4, 6]),
     }
     for why, grads in not_tiled.items():
-        groups = GradWalk().groups(_params_with_grads(grads), 1)[0]
+        groups = GradWalk().norm_groups(_params_with_grads(grads), 1)[0]
         assert list(map(id, next(iter(groups.values())))) == list(map(id, grads)), why
 
 
@@ -108,7 +107,7 @@ def test_grad_walk_keeps_no_gradient_alive() -> None:
     params = _params_with_grads([torch.ones(4), torch.ones(4)])
     walk = GradWalk()
     walk.groups(params)
-    walk.groups(params, 1)
+    walk.norm_groups(params, 1)
     watched = weakref.ref(params[0].grad)  # type: ignore[arg-type]
     for param in params:
         param.grad = None  # zero_grad(set_to_none=True)
@@ -119,7 +118,7 @@ def test_grad_walk_keeps_no_gradient_alive() -> None:
 def test_sparse_gradients_are_coalesced_in_place() -> None:
     embedding = nn.Embedding(10, 4, sparse=True)
     embedding(torch.tensor([1, 1, 2])).sum().backward()
-    groups, _plain, _holds = GradWalk().groups(embedding.parameters())
+    groups, _has_elements = GradWalk().groups(embedding.parameters())
     assert embedding.weight.grad.is_coalesced()  # type: ignore[union-attr]
     ((values,),) = groups.values()
     assert values.shape == (2, 4)  # rows 1 (twice, summed) and 2
@@ -242,7 +241,7 @@ def _rank_replica_counts_follow_the_gradients_layout(rank: int, world_size: int)
     for placement in (Shard(0), Shard(0), Replicate(), Replicate(), Shard(0)):
         local = torch.ones(4 if isinstance(placement, Shard) else 4 * world_size)
         param.grad = DTensor.from_local(local, mesh, [placement])
-        groups, plain, _holds = walk.groups([param], world_size)
+        groups, plain, _has_elements = walk.norm_groups([param], world_size)
         assert not plain
         ((_device, _dtype, replicas),) = groups
         counts.append(replicas)

@@ -94,6 +94,27 @@ def test_policy_update_matches_reference_bit_for_bit() -> None:
             assert device == state, f"trial {trial} step {step}: {policy}"
 
 
+def test_policy_forward_overflow_holds_everything_under_hysteresis_bit_for_bit() -> None:
+    """A forward overflow (the loss itself non-finite) moves nothing, with a hysteresis
+    allowance to keep and a growth tracker torch's kernel would count: the device maths (the
+    gradient-overflow flag without it, the forward flag beside) against `next`."""
+    for trial in range(200):
+        rng = random.Random(1000 + trial)
+        init_scale, policy = _random_policy(rng)
+        state = policy.initial_state(init_scale)
+        scale = torch.tensor(state.scale)
+        growth = torch.tensor(0, dtype=torch.int32)
+        hysteresis = torch.tensor(state.hysteresis_tracker, dtype=torch.int32)
+        for step in range(40):
+            found_inf = rng.random() < 0.35
+            forward = found_inf and rng.random() < 0.4
+            state = policy.next(state, found_inf, forward)
+            gradients = torch.tensor(float(found_inf and not forward))
+            policy.update_(scale, growth, hysteresis, gradients, torch.tensor(float(forward)))
+            device = ScaleState(scale.item(), int(growth.item()), int(hysteresis.item()))
+            assert device == state, f"trial {trial} step {step}: {policy}"
+
+
 def test_policy_hysteresis_tolerates_then_backs_off_and_replenishes_on_growth() -> None:
     policy = ScalePolicy(growth_interval=2, hysteresis=3)
     state = policy.initial_state(64.0)

@@ -19,6 +19,7 @@ from shardscale._torch import (
     dtensor_spec,
     flat_param_sizes,
     flat_param_slices,
+    foreach_mul_,
     foreach_norm,
     group_by_device_and_dtype,
     group_device_types,
@@ -86,6 +87,9 @@ def test_amp_kernels_check_unscale_update_and_norm() -> None:
     norms = foreach_norm([torch.tensor([3.0, 4.0])], 2.0, dtype=torch.float64)
     assert norms[0].dtype == torch.float64
     assert norms[0].item() == 5.0
+    halves = [torch.tensor([2.0, 4.0], dtype=torch.float16)]
+    foreach_mul_(halves, torch.tensor(0.25))  # a 0-dim float32 factor on fp16: in float32
+    assert halves[0].tolist() == [0.5, 1.0]
 
 
 def test_group_device_types(world_of_one: dist.ProcessGroup) -> None:

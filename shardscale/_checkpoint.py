@@ -1,0 +1,221 @@
+"""The scaler's checkpoint format: its state dict and its versions, loaded whole or not at all.
+
+Invariant: a state dict is loaded whole or not at all (`parse_state_dict` validates every key,
+value and relation before anything changes).
+
+Checkpoints load both ways with torch's scalers: our state dict carries torch's five keys with
+torch's meanings (`scale`, `growth_factor`, `backoff_factor`, `growth_interval`,
+`_growth_tracker`), which is all `torch.amp.GradScaler.load_state_dict` reads; ours adds the
+hysteresis settings, the floor and ceiling, `dynamic`, the step counters, `format_version` and
+the scale policy with its learned state (`scale_policy`, `_fit_margin`, `_fit_window`,
+`_fit_streak`). A torch state dict has none of our keys and loads with our current settings, a
+full hysteresis allowance and zeroed counters. Each format version has its own set of our keys,
+all required (a dict with only some of them is damaged): version 0 (no `format_version`) and 1
+lack the forward-overflow and retry counters of version 2, which then start at 0; versions 0 to
+2 lack the policy's keys of version 3 (the loading scaler keeps its own policy, and the fit's
+margin and window start afresh); version 3 lacks the fit's overflow streak of version 4 (it
+starts at 0); a dict from a newer shardscale is refused. All values are Python numbers (the
+policy's name a string, the window a list of them), identical on every rank, so
+`torch.distributed.checkpoint` stores one copy and loads it at any world size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import fields, replace
+from typing import Any
+
+import torch
+
+from shardscale._policy import (
+    SCALE_POLICIES,
+    ScalePolicy,
+    ScaleState,
+    check_bool,
+    check_choice,
+    check_int,
+    check_real,
+)
+from shardscale._state import Counters, ScalerState
+
+# The version `state_dict()` writes.
+FORMAT_VERSION = 4
+
+TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+_POLICY_KEYS = ("hysteresis", "_hysteresis_tracker", "min_scale", "max_scale", "dynamic")
+_V0_KEYS = (*_POLICY_KEYS, "steps", "skipped_steps", "consecutive_skips", "last_overflow_step")
+_V1_KEYS = (*_V0_KEYS, "format_version")
+_V2_KEYS = (*_V1_KEYS, "forward_overflows", "retries")
+_V3_KEYS = (*_V2_KEYS, "scale_policy", "_fit_margin", "_fit_window")
+_V4_KEYS = (*_V3_KEYS, "_fit_streak")
+# Our keys in each format version: all of them, or none (a torch state dict).
+OUR_KEYS_BY_VERSION = {0: _V0_KEYS, 1: _V1_KEYS, 2: _V2_KEYS, 3: _V3_KEYS, 4: _V4_KEYS}
+
+
+def to_state_dict(state: ScalerState) -> dict[str, Any]:
+    """The state as a flat dict of Python numbers, torch's keys first."""
+    policy = state.policy
+    return {
+        "scale": state.scale.scale,
+        **{k: getattr(policy, k) for k in ("growth_factor", "backoff_factor", "growth_interval")},
+        "_growth_tracker": state.scale.growth_tracker,
+        "hysteresis": policy.hysteresis,
+        "_hysteresis_tracker": state.scale.hysteresis_tracker,
+        **{k: getattr(policy, k) for k in ("min_scale", "max_scale", "dynamic")},
+        **{f.name: getattr(state.counters, f.name) for f in fields(Counters)},
+        "format_version": FORMAT_VERSION,
+        "scale_policy": SCALE_POLICIES[policy.fit],
+        "_fit_margin": state.scale.margin,
+        "_fit_window": list(state.scale.window),
+        "_fit_streak": state.scale.streak,
+    }
+
+
+def _number(state_dict: Mapping[str, Any], key: str, kind: type[int] | type[float]) -> Any:
+    """`state_dict[key]` as an int or a float (a one-element tensor, an integral float taken)."""
+    value = state_dict[key]
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return (check_int if kind is int else check_real)(f"state_dict[{key!r}]", value)
+
+
+def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> ScalerState:
+    """Validate `state_dict` whole and return the state it describes.
+
+    Args:
+        state_dict: from `state_dict()` of this class or of a torch scaler.
+        current: the loading scaler's policy, kept for settings a torch state dict lacks.
+
+    Raises:
+        RuntimeError: the dict is empty (saved by a disabled scaler), as torch words it.
+        ValueError: keys are missing or unknown, or a value breaks a rule (named with the value).
+        TypeError: a value has the wrong type.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+    if len(state_dict) == 0:
+        raise RuntimeError(
+            "The source state dict is empty, possibly because it was saved "
+            "from a disabled instance of GradScaler."
+        )
+    version = _version(state_dict)
+    ours = _check_keys(state_dict, version)
+    policy_changes, fit_state, hysteresis_tracker = _settings(state_dict, version, ours)
+    scale = _number(state_dict, "scale", float)
+    if not math.isfinite(scale) or scale <= 0.0:
+        raise ValueError(f"state_dict['scale'] must be finite and > 0, got {scale}")
+    policy = replace(current, **policy_changes)  # ScalePolicy validates the settings
+    tracker = policy.hysteresis if hysteresis_tracker is None else hysteresis_tracker
+    growth_tracker = _number(state_dict, "_growth_tracker", int)
+    scale_state = ScaleState(scale, growth_tracker, tracker, **fit_state)
+    policy.check_state(scale_state)
+    return ScalerState(policy=policy, scale=scale_state, counters=_counters(state_dict))
+
+
+def _version(state_dict: Mapping[str, Any]) -> int:
+    """The dict's format version: its `format_version`, 0 without one.
+
+    Raises:
+        ValueError: a version newer than this shardscale knows.
+    """
+    version = _number(state_dict, "format_version", int) if "format_version" in state_dict else 0
+    if version not in OUR_KEYS_BY_VERSION:
+        raise ValueError(
+            f"state_dict['format_version'] must be one of {sorted(OUR_KEYS_BY_VERSION)}, got "
+            f"{version}: a newer shardscale saved it"
+        )
+    return int(version)
+
+
+def _check_keys(state_dict: Mapping[str, Any], version: int) -> bool:
+    """Whether the dict holds our keys (else it is a torch scaler's): all of its version's.
+
+    Raises:
+        ValueError: an unknown key (a newer format's, without its version, said so), a missing
+            torch key, or some but not all of our keys.
+    """
+    keys, our_keys = set(state_dict), OUR_KEYS_BY_VERSION[version]
+    known = {*TORCH_KEYS, *our_keys}
+    unknown = sorted(str(k) for k in keys - known)
+    newer = [v for v, ks in OUR_KEYS_BY_VERSION.items() if v and not set(unknown) - set(ks)]
+    if unknown and version == 0 and newer:  # a newer format's keys, without its version
+        raise ValueError(
+            f"state_dict has format version {min(newer)}'s key(s) {unknown} but no "
+            "'format_version': add the version it was saved with, or remove those keys"
+        )
+    if unknown:
+        raise ValueError(
+            f"state_dict has unknown key(s) {unknown} for format version {version}; expected "
+            f"{sorted(known)}"
+        )
+    missing = [k for k in TORCH_KEYS if k not in keys]
+    if missing:
+        raise ValueError(f"state_dict is missing required key(s) {missing}")
+    absent = [k for k in our_keys if k not in keys]
+    if absent and len(absent) < len(our_keys):
+        raise ValueError(
+            f"state_dict has some of shardscale's keys but not {absent}: it is damaged "
+            "(a torch scaler's state dict has none of them, ours has all)"
+        )
+    return not absent
+
+
+def _settings(
+    state_dict: Mapping[str, Any], version: int, ours: bool
+) -> tuple[dict[str, Any], dict[str, Any], int | None]:
+    """The policy's settings the dict changes, the fit's state it holds (an older format's:
+    none, they start afresh), and its hysteresis tracker (None: a torch state dict, whose
+    allowance starts full)."""
+    kinds = {"growth_factor": float, "backoff_factor": float, "growth_interval": int}
+    policy_changes: dict[str, Any] = {k: _number(state_dict, k, kind) for k, kind in kinds.items()}
+    fit_state: dict[str, Any] = {}
+    if not ours:
+        return policy_changes, fit_state, None
+    kinds = {"hysteresis": int, "min_scale": float, "max_scale": float}
+    policy_changes.update({k: _number(state_dict, k, kind) for k, kind in kinds.items()})
+    policy_changes["dynamic"] = check_bool("state_dict['dynamic']", state_dict["dynamic"])
+    if version >= 3:
+        name = check_choice("state_dict['scale_policy']", state_dict["scale_policy"])
+        policy_changes["fit"] = name == "fit"
+        window = state_dict["_fit_window"]
+        if not isinstance(window, (list, tuple)):
+            raise TypeError(f"state_dict['_fit_window'] must be a list, got {window!r}")
+        fit_state["margin"] = _number(state_dict, "_fit_margin", int)
+        fit_state["window"] = tuple(check_real("state_dict['_fit_window']", v) for v in window)
+    if version >= 4:
+        fit_state["streak"] = _number(state_dict, "_fit_streak", int)
+    return policy_changes, fit_state, _number(state_dict, "_hysteresis_tracker", int)
+
+
+def _counters(state_dict: Mapping[str, Any]) -> Counters:
+    """The counters the dict holds (those an older format, or a torch state dict, lacks: 0).
+
+    Raises:
+        ValueError: they are not counts of one run: each is named, with its value.
+    """
+    names = [f.name for f in fields(Counters) if f.name in state_dict]
+    counters = Counters(**{name: _number(state_dict, name, int) for name in names})
+    if not 0 <= counters.consecutive_skips <= counters.skipped_steps <= counters.steps:
+        raise ValueError(
+            "state_dict counters must satisfy 0 <= consecutive_skips <= skipped_steps <= steps, "
+            f"got consecutive_skips={counters.consecutive_skips}, "
+            f"skipped_steps={counters.skipped_steps}, steps={counters.steps}"
+        )
+    # skipped_steps >= 0 here: the last overflow's step is 0 with no skip, else in [1, steps]
+    low, high = (0, 0) if counters.skipped_steps == 0 else (1, counters.steps)
+    if not low <= counters.last_overflow_step <= high:
+        raise ValueError(
+            "state_dict['last_overflow_step'] must be 0 when no step was skipped, else in "
+            f"[1, steps]; got last_overflow_step={counters.last_overflow_step}, "
+            f"skipped_steps={counters.skipped_steps}, steps={counters.steps}"
+        )
+    if not 0 <= counters.forward_overflows <= counters.skipped_steps or counters.retries < 0:
+        raise ValueError(
+            "state_dict counters must satisfy 0 <= forward_overflows <= skipped_steps and "
+            f"retries >= 0, got forward_overflows={counters.forward_overflows}, "
+            f"skipped_steps={counters.skipped_steps}, retries={counters.retries}"
+        )
+    return counters
