@@ -26,7 +26,6 @@ import json
 import logging
 import math
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -136,38 +135,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     _check_args(parser, args)
     return args
-
-
-@dataclass(frozen=True)
-class Faults:
-    """Faults the test suite injects through the environment; not options of the job.
-
-    ``SHARDSCALE_TEST_EXIT_AFTER=K`` stops after step K, as if the job were interrupted;
-    ``SHARDSCALE_TEST_KILL=STEP:RANK`` SIGKILLs RANK at STEP on torchrun's first attempt (a
-    restart then resumes from the last checkpoint).
-    """
-
-    exit_after: int | None = None
-    kill_step: int | None = None
-    kill_rank: int = 0
-
-    @classmethod
-    def from_environment(cls) -> Faults:
-        exit_after = os.environ.get("SHARDSCALE_TEST_EXIT_AFTER")
-        kill = os.environ.get("SHARDSCALE_TEST_KILL")
-        kill_step, kill_rank = (None, 0)
-        if kill:
-            step, _, rank = kill.partition(":")
-            if not (step.isdigit() and rank.isdigit()):
-                raise SystemExit(f"SHARDSCALE_TEST_KILL must be STEP:RANK, got {kill!r}")
-            kill_step, kill_rank = int(step), int(rank)
-        if exit_after is not None and not exit_after.isdigit():
-            raise SystemExit(f"SHARDSCALE_TEST_EXIT_AFTER must be a step, got {exit_after!r}")
-        return cls(
-            exit_after=None if exit_after is None else int(exit_after),
-            kill_step=kill_step,
-            kill_rank=kill_rank,
-        )
 
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -513,14 +480,6 @@ def _due(every: int, step: int) -> bool:
     return bool(every) and (step + 1) % every == 0
 
 
-def kill_if_asked(faults: Faults, step: int, restart: int) -> None:
-    """Kill this rank at ``step`` where the test suite asks (on torchrun's first attempt)."""
-    rank = dist.get_rank()
-    if faults.kill_step == step + 1 and rank == faults.kill_rank and not restart:
-        print(f"rank {rank}: killed at step {step + 1} (SHARDSCALE_TEST_KILL)", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def train_step(
     args: argparse.Namespace, job: Job, step: int, inputs: torch.Tensor, targets: torch.Tensor
 ) -> dict[str, Any]:
@@ -564,25 +523,21 @@ def train_loop(
     job: Job,
     batches: Batches,
     state: dict[str, Any],
-    restart: int,
     progress: Progress,
 ) -> list[dict[str, Any]]:
-    """Steps from the checkpointed one to ``--steps`` (or the test suite's stop): one record
-    per step, progress on rank 0, checkpoints every ``--checkpoint-every`` steps."""
+    """Steps from the checkpointed one to ``--steps``: one record per step, progress on rank 0,
+    checkpoints every ``--checkpoint-every`` steps."""
     train_state, scaler = state["train"], job.scaler
     start = train_state["step"]
     tokens_per_step = args.batch_size * args.seq_len * job.data_ranks
-    faults = Faults.from_environment()
-    stop = args.steps if faults.exit_after is None else min(args.steps, faults.exit_after)
     # Host-side copies, so the loop reads the device once per step (the new scale), not more.
     scale = scaler.get_scale()
     counted = scaler.stats  # as of the last step that read them
     history: list[dict[str, Any]] = []
     started = time.perf_counter()
-    for step in range(start, stop):
+    for step in range(start, args.steps):
         batch = batches.train_batch(step, job.data_rank, job.data_ranks)
         inputs, targets = (t.to(job.device) for t in batch)
-        kill_if_asked(faults, step, restart)
         record = train_step(args, job, step, inputs, targets)
         history.append(record)
         scale_used, scale = scale, record["scale"]
@@ -699,7 +654,7 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     resume_if_asked(args, state, restart, progress)
 
     started = time.perf_counter()
-    history = train_loop(args, job, batches, state, restart, progress)
+    history = train_loop(args, job, batches, state, progress)
     elapsed = time.perf_counter() - started
     final_step = state["train"]["step"]
     if args.checkpoint_dir is not None and not args.checkpoint_every and final_step >= args.steps:
