@@ -44,7 +44,7 @@ from pipeline import Pipeline
 from replicas import local_grad_shards, params_digest, ranks_agree, steps_digest
 from torch import nn
 
-from shardscale import ShardedGradScaler
+from shardscale import ScalerStats, ShardedGradScaler
 
 _COMPUTE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
 
@@ -472,7 +472,8 @@ def forward_backward(
 
 
 def _due(every: int, step: int) -> bool:
-    """Whether an injection made every ``every`` steps (0: never) falls on ``step`` (0-based)."""
+    """Whether what is done every ``every`` steps (0: never) falls on ``step`` (0-based): an
+    injection, the meter's reading."""
     return bool(every) and (step + 1) % every == 0
 
 
@@ -538,14 +539,10 @@ def train_loop(
         train_state.update(
             step=step + 1, samples_seen=(step + 1) * args.batch_size * job.data_ranks
         )
-        metered = bool(args.underflow_every) and (step + 1) % args.underflow_every == 0
-        forward = False
-        if record["skipped"] or args.retry or metered:  # a host read: only on these steps
+        forward = False  # the counters cost a host read: only where a step needs them
+        if record["skipped"] or args.retry or _due(args.underflow_every, step):
             before, counted = counted, scaler.stats
-            record["retries"] = counted.retries - before.retries
-            forward = counted.forward_overflows > before.forward_overflows
-            if counted.underflow_step == step + 1:  # the meter read this step's gradients
-                record["underflow"] = counted.underflow
+            forward = _count_step(record, before, counted)
         _note_step(progress, record, scale_used, forward, scaler)
         elapsed = time.perf_counter() - started
         progress.update(
@@ -560,6 +557,16 @@ def train_loop(
             save_checkpoint(args.checkpoint_dir, step + 1, state)
     progress.close()
     return history
+
+
+def _count_step(record: dict[str, Any], before: ScalerStats, counted: ScalerStats) -> bool:
+    """Add to the step's record what the counters say of it (``counted``, read after it;
+    ``before``, at the last read): its batch's reruns, and the meter's reading where the meter
+    read this step. Returns whether the step's loss itself was non-finite."""
+    record["retries"] = counted.retries - before.retries
+    if counted.underflow_step == record["step"]:
+        record["underflow"] = counted.underflow
+    return counted.forward_overflows > before.forward_overflows
 
 
 def _note_step(
