@@ -5,6 +5,7 @@
 #   bash launch/test.sh -m integration -rA    # extra arguments go to pytest
 #   TORCH=2.15.0 bash launch/test.sh          # the suite on another torch release
 #   TORCH=2.11.0 WITH="verl[cpu]==0.9.1" bash launch/test.sh tests/test_integration_verl.py
+#   REPORTS=runs/compat TORCH=2.15.0 bash launch/test.sh   # and keep the run's report
 #
 # Without TORCH: shardscale with its dev extras (pytest, hypothesis, the framework packages the
 # integration tests run, the docs and lint tools) at the versions in .ci/constraints.txt, in the
@@ -20,13 +21,35 @@
 # torch releases other than 2.13.0 come from PyPI as CUDA builds (several GB; they run on the
 # CPU). A machine-wide pip constraint file (PIP_CONSTRAINT or pip.conf's `constraint`) that caps
 # torch is set aside for these installs (PIP_CONSTRAINT=/dev/null): the release asked for wins.
+#
+# With REPORTS=DIR, pytest also writes its JUnit XML report into DIR (NAME.xml), and a
+# description of the run goes beside it (NAME.json: the torch build, the commit, this command):
+# .ci/compatibility.py makes docs/compatibility.md from them.
 set -euo pipefail
+typed=("$@")  # the arguments as given, for the run's description
+if [[ -n "${REPORTS:-}" ]]; then
+    REPORTS="$(mkdir -p "$REPORTS" && cd "$REPORTS" && pwd)"  # relative to where we were called
+fi
 cd "$(dirname "$0")/.."
+
+# reporting PYTHON PYTEST_ARGS...: with REPORTS set, describe the run into REPORTS and set
+# report_args to what makes pytest write its report beside the description
+report_args=()
+reporting() {
+    [[ -n "${REPORTS:-}" ]] || return 0
+    local python="$1" name
+    shift
+    name="$REPORTS/$(date -u +%Y%m%dT%H%M%SZ)-$$"
+    "$python" .ci/compatibility.py describe --torch "${TORCH:-}" --with "${WITH:-}" \
+        "${typed[@]/#/--typed-arg=}" -- "$@" >"$name.json"
+    report_args=(--junitxml "$name.xml")
+}
 
 if [[ -z "${TORCH:-}" ]]; then
     . launch/python_env.sh
     use_python_with dev "import shardscale, pytest, xdist, pytest_timeout, hypothesis, numpy, verl, trl, lightning, torchtitan, build"
-    exec "$PYTHON" -m pytest -n 2 "$@"
+    reporting "$PYTHON" "$@"
+    exec "$PYTHON" -m pytest -n 2 ${report_args[@]+"${report_args[@]}"} "$@"
 fi
 
 venv="${SHARDSCALE_VENVS:-$HOME/.cache/shardscale}/torch-$TORCH"
@@ -50,4 +73,5 @@ PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install --quiet --no-deps -e 
 if [[ $# -eq 0 ]]; then
     set -- -m "not integration"
 fi
-exec "$venv/bin/python" -m pytest -n 2 "$@"
+reporting "$venv/bin/python" "$@"
+exec "$venv/bin/python" -m pytest -n 2 ${report_args[@]+"${report_args[@]}"} "$@"

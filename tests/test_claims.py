@@ -1,9 +1,10 @@
 """What the docs say torch's scalers do, layout by layout, checked beside shardscale's.
 
-README.md ("Differences from torch's scalers") and docs/index.md ("Why ranks must agree") compare
-``torch.amp.GradScaler`` and torch's FSDP ``ShardedGradScaler`` with ours, layout by layout. Each
-cell of those tables is asserted here (torch 2.13, gloo, 2 ranks), so the day a torch release
-changes one, this module fails and the docs get corrected.
+docs/index.md ("Torch's scalers, layout by layout") and the layout rows of README.md's short
+table ("Differences from torch's scalers") compare ``torch.amp.GradScaler`` and torch's FSDP
+``ShardedGradScaler`` with ours, layout by layout. Each cell of those tables is asserted here
+(torch 2.13, gloo, 2 ranks), so the day a torch release changes one, this module fails and the
+docs get corrected.
 
 One case: a fresh model of one layout and one scaler, two iterations: a clean one, then one
 with an inf written into rank 1's local gradient shard (after backward, before the step). Per
@@ -308,7 +309,7 @@ def _outcome(per_rank: list[dict[str, Any]]) -> tuple[str, int | None]:
     return "diverges", counts.pop()
 
 
-# (layout, flavour) -> {scaler: (outcome, collectives per step)}: the README's table.
+# (layout, flavour) -> {scaler: (outcome, collectives per step)}: docs/index.md's table.
 EXPECTED: dict[tuple[str, str], dict[str, tuple[str, int | None]]] = {
     # DDP, with an inf only rank 1 sees (after DDP's all-reduce): torch.amp checks locally.
     ("ddp", "foreach"): {AMP: ("diverges", 0), SHARDED: ("agrees", 1), OURS: ("agrees", 1)},
@@ -388,7 +389,7 @@ def test_torch_scalers_and_ours_layout_by_layout_as_the_docs_say() -> None:
     ranks = run_ranks(_rank_matrix, 2, cases, timeout_s=240, group_timeout_s=20)
     measured = {case: [rank["cases"][i] for rank in ranks] for i, case in enumerate(cases)}
 
-    # the table (README.md, docs/index.md): every cell that differs, named
+    # the tables (docs/index.md, README.md's layout rows): every cell that differs, named
     expected = {c: EXPECTED[(c.layout, c.flavour)][c.scaler] for c in CASES}
     expected.update(NATURAL)
     wrong = [

@@ -5,7 +5,7 @@ Every ``device.type != "cpu"`` branch of the scaler runs here on the ``meta`` de
 flavour (plain, fused) and option, the third step's host reads, copies and kernels must be what
 docs/guides.md's device-path table states, row by row: a change to the code that moves a count
 fails here until the table says so. docs/benchmarks.md's table (ours beside torch's scalers,
-printed by launch/bench/count_device_path.py) is checked the same way.
+printed by launch/rigs/count_device_path.py) is checked the same way.
 
 World size 1 throughout: no process group, no collective. A ballot on ``meta`` cannot travel
 through gloo, so the collective and ``verify_agreement``'s exchange (world size > 1) are not
@@ -209,7 +209,7 @@ BENCH_COLUMNS = ("scaler", "pattern", "host reads", "device→host copies", "ker
 
 
 def _bench_script() -> Any:
-    path = ROOT / "launch" / "bench" / "count_device_path.py"
+    path = ROOT / "launch" / "rigs" / "count_device_path.py"
     spec = importlib.util.spec_from_file_location("count_device_path", path)
     assert spec is not None
     assert spec.loader is not None

@@ -301,14 +301,14 @@ def test_fit_verify_agreement_compares_the_window_and_margin() -> None:
 @pytest.mark.torchrun
 @pytest.mark.xdist_group("torchrun")
 def test_policies_bench_runs_and_the_fit_arrives_from_a_cold_start(tmp_path: Any) -> None:
-    """`launch/bench/scale_policies.py` (docs/scale-policies.md), shortened: every policy gets
+    """`launch/rigs/scale_policies.py` (docs/scale-policies.md), shortened: every policy gets
     a row, the working scale is a power of two, and the fit reaches it from 1 in one update
     while torch's rule, in 40 steps, cannot."""
     import json
 
     from tests.test_train import ROOT, torchrun
 
-    script = str(ROOT / "launch" / "bench" / "scale_policies.py")
+    script = str(ROOT / "launch" / "rigs" / "scale_policies.py")
     out = tmp_path / "policies.json"
     torchrun(
         2,

@@ -9,7 +9,7 @@ agreement across two GPUs, a healthy NCCL run with ``sync_timeout`` (which only 
 a missing rank, ended by the process group's own timeout.
 
 Written by reading torch's sources before any GPU was lent. On one H100 with torch 2.11
-(2026-11-26, ``launch/gpu_check.sh``, docs/gpu.md) all that one GPU can run passed, after a fix
+(2026-11-26, ``launch/rigs/gpu_check.sh``, docs/gpu.md) all that one GPU can run passed, after a fix
 for CUDA-graph replays; the ``nccl`` ones (two GPUs) have never run. Where a test's confidence is
 lower, its docstring says why.
 """
@@ -260,7 +260,7 @@ def test_cuda_fused_path_makes_no_host_sync(
     """Step + update with fused AdamW, after `clip_grad_norm_` or `unscale_` or neither: the
     agreed flag, the fp64 device norm and the clip factor stay on the GPU;
     `set_sync_debug_mode("error")` raises on any synchronising call (`.item()`, a blocking copy
-    to the host). The same cases as launch/gpu_check.sh's check, which runs without pytest."""
+    to the host). The same cases as launch/rigs/gpu_check.sh's check, which runs without pytest."""
     model = _cuda_mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, **options)
     scaler = ShardedGradScaler()

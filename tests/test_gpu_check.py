@@ -1,4 +1,4 @@
-"""launch/gpu_check.sh, where CI can check it: without a GPU, and its bounds."""
+"""launch/rigs/gpu_check.sh, where CI can check it: without a GPU, and its bounds."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "launch" / "gpu_check.sh"
+SCRIPT = ROOT / "launch" / "rigs" / "gpu_check.sh"
 COMMAND_LIMIT_S = 7 * 60  # what a lent machine's one command leaves for a second run
 
 

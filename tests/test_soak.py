@@ -28,7 +28,7 @@ def test_soak_three_ranks_every_planted_overflow_skipped_no_divergence(tmp_path:
         "3",
         "--json",
         str(report_path),
-        script=str(ROOT / "launch" / "job" / "soak.py"),
+        script=str(ROOT / "launch" / "rigs" / "soak.py"),
         timeout=300,
     )
     report = json.loads(report_path.read_text())

@@ -28,6 +28,8 @@ pytestmark = [pytest.mark.torchrun, pytest.mark.xdist_group("torchrun")]
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "launch" / "job" / "train.py")
+# The same job with the faults these tests inject (an interruption, a killed rank).
+WITH_FAULTS = str(ROOT / "tests" / "job_with_faults.py")
 # Small and quick; an inf planted in rank 1's shard at steps 3 and 6.
 JOB = [
     "--steps",
@@ -61,7 +63,7 @@ def torchrun(
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``script`` (the example job by default) under torchrun on ``nproc`` local ranks,
-    with ``env`` added to the environment (the job's injected faults)."""
+    with ``env`` added to the environment."""
     launcher = launcher or ["--standalone"]
     command = [
         sys.executable,
@@ -101,6 +103,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     torchrun(2, *JOB, "--summary-json", str(folder / "full.json"))
     first = torchrun(
         2,
+        "--exit-after",
+        "4",
         *JOB,
         "--checkpoint-dir",
         str(checkpoints),
@@ -108,7 +112,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "2",
         "--summary-json",
         str(folder / "first.json"),
-        env={"SHARDSCALE_TEST_EXIT_AFTER": "4"},
+        script=WITH_FAULTS,
     )
     resumed = torchrun(
         2,
@@ -341,6 +345,8 @@ def test_train_rank_killed_torchrun_restarts_and_resumes_intact(
     summary_path = tmp_path / "summary.json"
     result = torchrun(
         2,
+        "--kill",
+        "5:1",
         *JOB,
         "--checkpoint-dir",
         str(tmp_path / "ckpt"),
@@ -348,11 +354,11 @@ def test_train_rank_killed_torchrun_restarts_and_resumes_intact(
         "2",
         "--summary-json",
         str(summary_path),
-        env={"SHARDSCALE_TEST_KILL": "5:1"},
+        script=WITH_FAULTS,
         launcher=["--standalone", "--max-restarts", "1"],
     )
     output = result.stdout + result.stderr  # torchrun() has checked the exit status
-    assert "rank 1: killed at step 5 (SHARDSCALE_TEST_KILL)" in output
+    assert "rank 1: killed at step 5 (--kill)" in output
     assert f"resumed from {tmp_path / 'ckpt' / 'step_000004'} at step 4" in output
     summary, full = _summary(summary_path), runs["full"]
     assert summary["ranks_agree"] is True
@@ -375,11 +381,13 @@ def pipeline_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     saving = ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "2"]
     torchrun(
         2,
+        "--exit-after",
+        "4",
         *PIPELINE_JOB,
         *saving,
         "--summary-json",
         str(folder / "a.json"),
-        env={"SHARDSCALE_TEST_EXIT_AFTER": "4"},
+        script=WITH_FAULTS,
     )
     torchrun(2, *PIPELINE_JOB, *saving, "--resume", "--summary-json", str(folder / "b.json"))
     return {

@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+from _common import leave, plant
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from torch import nn
@@ -58,7 +57,7 @@ def main() -> None:
             output = model(inputs.to(accelerator.device))
         accelerator.backward(output.float().pow(2).mean())  # scaler.scale(loss).backward()
         if step == args.inject_inf_at and accelerator.process_index == args.inject_rank:
-            next(model.parameters()).grad.view(-1)[0] = math.inf
+            plant(model.parameters())  # an inf in this rank's gradient alone
         norm = accelerator.clip_grad_norm_(model.parameters(), 1e6)  # after unscale_
         optimizer.step()  # scaler.step + update; skips are reported for fused AdamW too
         scheduler.step()  # accelerate's wrapper: holds when the optimizer step was skipped
@@ -87,8 +86,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # torch sometimes aborts in its C++ teardown at interpreter exit, once everything is written
-    # ("terminate called without an active exception": docs/reliability.md): skip it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()  # past torch's C++ teardown, which may abort at exit (_common.py)

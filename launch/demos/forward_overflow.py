@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _common import leave
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -166,8 +165,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # torch sometimes aborts in its C++ teardown at interpreter exit, once everything is written
-    # ("terminate called without an active exception": docs/reliability.md): skip it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()  # past torch's C++ teardown, which may abort at exit (_common.py)

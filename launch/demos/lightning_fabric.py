@@ -14,18 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from _common import leave, plant
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from shardscale import count_collectives
 from shardscale.integrations.lightning import FabricPrecision
@@ -80,9 +78,7 @@ def main() -> None:
             output = model(inputs.to(fabric.device))
         fabric.backward(output.float().pow(2).mean())  # scaler.scale(loss).backward()
         if step == args.inject_inf_at and fabric.global_rank == 1:
-            grad = next(model.parameters()).grad
-            local = grad.to_local() if isinstance(grad, DTensor) else grad  # FSDP2: a view
-            local.view(-1)[0] = math.inf
+            plant(model.parameters())  # in rank 1's shard alone (FSDP2: its local shard)
         with count_collectives() as step_counts:
             norm = plugin.clip_grad_norm_(model.parameters(), 1.0)  # global, one collective
             optimizer.step()  # scaler.step + scaler.update
@@ -111,8 +107,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # torch sometimes aborts in its C++ teardown at interpreter exit, once everything is written
-    # ("terminate called without an active exception": docs/reliability.md): skip it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()  # past torch's C++ teardown, which may abort at exit (_common.py)

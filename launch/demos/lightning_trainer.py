@@ -15,26 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
-import sys
 from typing import Any
 
 import lightning as L
 import torch
+from _common import leave, local_shard, plant
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from shardscale import count_collectives
 from shardscale.integrations.lightning import TrainerPrecision
-
-
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    """The elements of ``grad`` this rank holds: FSDP2's local shard (a view), else ``grad``."""
-    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 class CountingPrecision(TrainerPrecision):
@@ -82,12 +74,10 @@ class Module(L.LightningModule):
 
     def on_after_backward(self) -> None:
         if self.global_step + 1 == self.inject_at and self.global_rank == 1:
-            grad = self.net[0].weight.grad
-            _local(grad).view(-1)[0] = math.inf
+            plant(self.net[0].parameters())  # in rank 1's shard alone
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
-        grad = self.net[2].weight.grad
-        local = _local(grad)
+        local = local_shard(self.net[2].weight.grad)
         self.seen["grad_absmax"] = float(local.abs().max())
 
     def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
@@ -160,8 +150,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # torch sometimes aborts in its C++ teardown at interpreter exit, once everything is written
-    # ("terminate called without an active exception": docs/reliability.md): skip it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()  # past torch's C++ teardown, which may abort at exit (_common.py)

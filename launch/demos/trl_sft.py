@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
-import sys
 from typing import Any
 
 import torch
+from _common import leave, plant
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
@@ -105,8 +103,7 @@ class SFTTrainer(ShardScaleTrainerMixin, TRLSFTTrainer):  # type: ignore[misc]
             self.state.global_step == self.inject_at
             and self.accelerator.process_index == self.inject_rank
         ):
-            grad = next(p.grad for p in model.parameters() if p.grad is not None)
-            grad.view(-1)[0] = math.inf  # after DDP's all-reduce: this rank's alone
+            plant(model.parameters())  # after DDP's all-reduce: this rank's alone
         return loss
 
 
@@ -183,8 +180,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # torch sometimes aborts in its C++ teardown at interpreter exit, once everything is written
-    # ("terminate called without an active exception": docs/reliability.md): skip it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()  # past torch's C++ teardown, which may abort at exit (_common.py)

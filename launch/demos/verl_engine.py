@@ -1,4 +1,4 @@
-"""verl's real FSDP engine on CPU ranks (gloo): for the verl demo and the integration tests.
+"""verl's real FSDP engine on CPU ranks (gloo), for the verl demo (``verl_scaler.py``).
 
 verl (0.9.1) runs on GPUs and NPUs. To run its ``FSDPEngineWithLMHead`` on CPU ranks, this module
 registers the CPU platform verl lacks (it would fall back to CUDA), and works around what verl
@@ -16,9 +16,9 @@ from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
+import _common
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 VOCAB = 128
 
@@ -204,23 +204,11 @@ def forward_backward(engine: Any, step: int) -> None:
     engine.forward_backward_batch(batch(step), loss_function=partial(sft_loss, None))
 
 
-@torch.no_grad()
 def plant(engine: Any, value: float) -> None:
     """Write ``value`` into one element of this rank's local gradient shard."""
-    for param in engine.module.parameters():
-        grad = param.grad
-        if grad is None:
-            continue
-        local = grad.to_local() if isinstance(grad, DTensor) else grad  # a view: writes land
-        if local.numel():
-            local.view(-1)[0] = value
-            return
-    raise RuntimeError("this rank holds no gradient element")
+    _common.plant(engine.module.parameters(), value)
 
 
 def local_params(engine: Any) -> list[torch.Tensor]:
     """Copies of this rank's local parameter shards."""
-    return [
-        (p._local_tensor if hasattr(p, "_local_tensor") else p).detach().clone()
-        for p in engine.module.parameters()
-    ]
+    return [_common.local_shard(p).detach().clone() for p in engine.module.parameters()]

@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import tempfile
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import verl_engine
+from _common import leave
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchShardedGradScaler
 
 from shardscale import count_collectives
@@ -113,8 +113,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # torch sometimes aborts in its C++ teardown at interpreter exit, once everything is written
-    # ("terminate called without an active exception": docs/reliability.md): skip it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()  # past torch's C++ teardown, which may abort at exit (_common.py)

@@ -3,10 +3,13 @@
     python launch/job/compare_precision.py --plot runs/precision.png --json runs/precision.json
 
 Trains the example job three times on the same seed and data: fp32, fp16 with
-``shardscale.ShardedGradScaler``, and fp16 without scaling. Reports each run's final training and
-held-out losses, skipped steps and the fraction of gradient elements that are exactly zero (the
-fp32 run shows the structural zeros, e.g. embedding rows of bytes a batch lacks; the excess over
-it is underflow), as a table and a plot. Target: fp16 with shardscale within 1 % of fp32.
+``shardscale.ShardedGradScaler``, and fp16 without scaling (the scaler's static guard, scale 1).
+Reports each run's final training and held-out losses, skipped steps and the scaler's underflow
+meter, read every step (``--underflow-every 1``): of the non-zero gradient elements, the fraction
+below 2^-14 (fp16's smallest normal value) at the run's scale. In the fp32 run that is how much
+of the gradient unscaled fp16 would leave subnormal or flush to zero; in the fp16 runs, how much
+sits at the bottom of fp16's range (what already flushed to zero is not counted: a zero is the
+same at every scale). As a table and a plot. Target: fp16 with shardscale within 1 % of fp32.
 
 The loss is divided by ``--loss-divisor`` (default 4096), as when it is averaged over that many
 times more tokens: a large global batch or gradient accumulation, where fp16 underflow bites.
@@ -39,7 +42,7 @@ def _row(name: str, summary: dict[str, Any], baseline: dict[str, Any]) -> dict[s
         "eval_loss": summary["eval_loss"],
         "vs_fp32": summary["eval_loss"] / baseline["eval_loss"] - 1.0,
         "skipped_steps": summary["skipped_steps"],
-        "zero_grad_fraction": sum(h["zero_grad_fraction"] for h in late) / len(late),
+        "underflow": sum(h["underflow"] for h in late) / len(late),
         "final_scale": summary["final_scale"],
     }
 
@@ -50,18 +53,18 @@ def _plot(path: Path, summaries: dict[str, dict[str, Any]], divisor: float) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (loss_axis, zero_axis) = plt.subplots(2, 1, sharex=True, figsize=(8, 6))
+    fig, (loss_axis, meter_axis) = plt.subplots(2, 1, sharex=True, figsize=(8, 6))
     styles = {"fp32": {"color": "black", "ls": "--", "lw": 1.5}}  # dashed: fp16 lies on it
     for name, summary in summaries.items():
         steps = [h["step"] for h in summary["history"]]
         style = styles.get(name, {"lw": 1})
         loss_axis.plot(steps, [h["loss"] for h in summary["history"]], label=name, **style)
-        zero_axis.plot(steps, [h["zero_grad_fraction"] for h in summary["history"]], **style)
+        meter_axis.plot(steps, [h["underflow"] for h in summary["history"]], **style)
     loss_axis.set_ylabel("training loss")
     loss_axis.set_title(f"same seed and data; loss divided by {divisor:g}")
     loss_axis.legend()
-    zero_axis.set_ylabel("gradient elements = 0")
-    zero_axis.set_xlabel("step")
+    meter_axis.set_ylabel("non-zero gradient\nbelow 2^-14 (meter)")
+    meter_axis.set_xlabel("step")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -81,7 +84,8 @@ def main() -> None:
         str(args.steps),
         "--parallel",
         "none",
-        "--track-underflow",
+        "--underflow-every",
+        "1",
         "--loss-divisor",
         str(args.loss_divisor),
         "--log-every",
@@ -106,7 +110,7 @@ def main() -> None:
         "held-out loss",
         "vs fp32",
         "skipped",
-        "grad elements = 0",
+        "below 2^-14 (meter)",
         "final scale",
     ]
     print("| " + " | ".join(columns) + " |")
@@ -114,7 +118,7 @@ def main() -> None:
     for row in rows:
         print(
             f"| {row['run']} | {row['final_loss']:.4f} | {row['eval_loss']:.4f} | "
-            f"{row['vs_fp32']:+.2%} | {row['skipped_steps']} | {row['zero_grad_fraction']:.1%} | "
+            f"{row['vs_fp32']:+.2%} | {row['skipped_steps']} | {row['underflow']:.1%} | "
             f"{row['final_scale']:g} |"
         )
     if args.json is not None:

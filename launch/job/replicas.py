@@ -1,7 +1,7 @@
 """What each rank holds, for the launch scripts: its gradient shards, and whether ranks agree.
 
-Shared by ``train.py`` (fault injection, underflow tracking, the final ``ranks_agree``) and
-``soak.py`` (planted overflows, periodic agreement checks).
+Used by ``train.py`` (the planted infs, the final ``ranks_agree``) and by the maintainers' soak,
+``launch/rigs/soak.py`` (planted overflows, periodic agreement checks).
 """
 
 from __future__ import annotations

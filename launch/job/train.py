@@ -26,7 +26,6 @@ import json
 import logging
 import math
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -45,7 +44,7 @@ from pipeline import Pipeline
 from replicas import local_grad_shards, params_digest, ranks_agree, steps_digest
 from torch import nn
 
-from shardscale import ShardedGradScaler
+from shardscale import ScalerStats, ShardedGradScaler
 
 _COMPUTE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
 
@@ -70,7 +69,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="pipeline microbatches per step (pp, pp_fsdp2); must divide --batch-size",
     )
     add("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
-    add("--no-loss-scaling", action="store_true", help="fp16 without a scaler (for comparison)")
+    add(
+        "--no-loss-scaling",
+        action="store_true",
+        help="fp16 at a fixed scale of 1, the scaler's static guard (for comparison)",
+    )
     add("--batch-size", type=int, default=16, help="sequences per rank per step")
     add("--seq-len", type=int, default=64)
     add("--d-model", type=int, default=64, help="small by default: fp16 matmuls are slow on CPUs")
@@ -126,9 +129,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--max-retries", type=int, default=3, help="reruns of one batch, at most (--retry)")
     add("--eval-batches", type=int, default=8, help="held-out batches for the final eval loss")
     add(
-        "--track-underflow",
-        action="store_true",
-        help="record the fraction of gradient elements that are exactly zero, per step",
+        "--underflow-every",
+        type=int,
+        default=100,
+        help="the scaler's underflow meter reads the gradients every K steps; each reading goes "
+        "into that step's record as 'underflow' (0: never)",
     )
     add("--log-every", type=int, default=10, help="progress lines when not on a terminal")
     add("--summary-json", type=Path, help="write the run's summary here (rank 0)")
@@ -136,38 +141,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     _check_args(parser, args)
     return args
-
-
-@dataclass(frozen=True)
-class Faults:
-    """Faults the test suite injects through the environment; not options of the job.
-
-    ``SHARDSCALE_TEST_EXIT_AFTER=K`` stops after step K, as if the job were interrupted;
-    ``SHARDSCALE_TEST_KILL=STEP:RANK`` SIGKILLs RANK at STEP on torchrun's first attempt (a
-    restart then resumes from the last checkpoint).
-    """
-
-    exit_after: int | None = None
-    kill_step: int | None = None
-    kill_rank: int = 0
-
-    @classmethod
-    def from_environment(cls) -> Faults:
-        exit_after = os.environ.get("SHARDSCALE_TEST_EXIT_AFTER")
-        kill = os.environ.get("SHARDSCALE_TEST_KILL")
-        kill_step, kill_rank = (None, 0)
-        if kill:
-            step, _, rank = kill.partition(":")
-            if not (step.isdigit() and rank.isdigit()):
-                raise SystemExit(f"SHARDSCALE_TEST_KILL must be STEP:RANK, got {kill!r}")
-            kill_step, kill_rank = int(step), int(rank)
-        if exit_after is not None and not exit_after.isdigit():
-            raise SystemExit(f"SHARDSCALE_TEST_EXIT_AFTER must be a step, got {exit_after!r}")
-        return cls(
-            exit_after=None if exit_after is None else int(exit_after),
-            kill_step=kill_step,
-            kill_rank=kill_rank,
-        )
 
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -196,6 +169,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         "eval_batches",
         "verify_every",
         "max_retries",
+        "underflow_every",
     ):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -293,26 +267,15 @@ def _make_scaler(args: argparse.Namespace) -> ShardedGradScaler:
         # agreed flag: after AdamW's non-fused step, which has read it already, it waits for nothing
         "locate_overflow": bool(args.inject_inf_every or args.inject_forward_overflow_every),
         "max_retries": args.max_retries,
+        "underflow_every": args.underflow_every,
     }
-    if args.precision == "fp16":
+    if args.precision == "fp16" and not args.no_loss_scaling:
         return ShardedGradScaler(
-            init_scale=args.init_scale,
-            growth_interval=args.growth_interval,
-            enabled=not args.no_loss_scaling,
-            **bounds,
+            init_scale=args.init_scale, growth_interval=args.growth_interval, **bounds
         )
-    return ShardedGradScaler(dynamic=False, **bounds)  # the guard: scale 1, non-finite skipped
-
-
-@torch.no_grad()
-def _zero_fraction(optimizer: torch.optim.Optimizer, device: torch.device) -> float:
-    """The fraction of gradient elements, over all ranks, that are exactly zero."""
-    counts = torch.zeros(2, dtype=torch.float64, device=device)
-    for shard in local_grad_shards(optimizer):
-        counts[0] += (shard == 0).sum()
-        counts[1] += shard.numel()
-    dist.all_reduce(counts)
-    return float(counts[0] / counts[1]) if counts[1] else 0.0
+    # bf16, fp32 and unscaled fp16: the guard, scale 1 (nothing is scaled), non-finite steps
+    # skipped on every rank together; its underflow meter reads the gradients as they are
+    return ShardedGradScaler(dynamic=False, **bounds)
 
 
 @torch.no_grad()
@@ -509,16 +472,9 @@ def forward_backward(
 
 
 def _due(every: int, step: int) -> bool:
-    """Whether an injection made every ``every`` steps (0: never) falls on ``step`` (0-based)."""
+    """Whether what is done every ``every`` steps (0: never) falls on ``step`` (0-based): an
+    injection, the meter's reading."""
     return bool(every) and (step + 1) % every == 0
-
-
-def kill_if_asked(faults: Faults, step: int, restart: int) -> None:
-    """Kill this rank at ``step`` where the test suite asks (on torchrun's first attempt)."""
-    rank = dist.get_rank()
-    if faults.kill_step == step + 1 and rank == faults.kill_rank and not restart:
-        print(f"rank {rank}: killed at step {step + 1} (SHARDSCALE_TEST_KILL)", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def train_step(
@@ -538,8 +494,6 @@ def train_step(
         if plant_inf and "loss" not in record:  # a rerun (--retry) gets no planted inf
             _plant_inf(job.optimizer)
         record["loss"] = global_loss.item()
-        if args.track_underflow:
-            record["zero_grad_fraction"] = _zero_fraction(job.optimizer, job.device)
         if args.clip_norm:
             record["grad_norm"] = scaler.clip_grad_norm_(
                 job.model.parameters(), args.clip_norm, replica_group=job.replica_group
@@ -564,52 +518,32 @@ def train_loop(
     job: Job,
     batches: Batches,
     state: dict[str, Any],
-    restart: int,
     progress: Progress,
 ) -> list[dict[str, Any]]:
-    """Steps from the checkpointed one to ``--steps`` (or the test suite's stop): one record
-    per step, progress on rank 0, checkpoints every ``--checkpoint-every`` steps."""
+    """Steps from the checkpointed one to ``--steps``: one record per step, progress on rank 0,
+    checkpoints every ``--checkpoint-every`` steps."""
     train_state, scaler = state["train"], job.scaler
     start = train_state["step"]
     tokens_per_step = args.batch_size * args.seq_len * job.data_ranks
-    faults = Faults.from_environment()
-    stop = args.steps if faults.exit_after is None else min(args.steps, faults.exit_after)
     # Host-side copies, so the loop reads the device once per step (the new scale), not more.
     scale = scaler.get_scale()
     counted = scaler.stats  # as of the last step that read them
     history: list[dict[str, Any]] = []
     started = time.perf_counter()
-    for step in range(start, stop):
+    for step in range(start, args.steps):
         batch = batches.train_batch(step, job.data_rank, job.data_ranks)
         inputs, targets = (t.to(job.device) for t in batch)
-        kill_if_asked(faults, step, restart)
         record = train_step(args, job, step, inputs, targets)
         history.append(record)
         scale_used, scale = scale, record["scale"]
         train_state.update(
             step=step + 1, samples_seen=(step + 1) * args.batch_size * job.data_ranks
         )
-        if record["skipped"] or args.retry:  # the counters cost a host read: only then
+        forward = False  # the counters cost a host read: only where a step needs them
+        if record["skipped"] or args.retry or _due(args.underflow_every, step):
             before, counted = counted, scaler.stats
-            record["retries"] = counted.retries - before.retries
-            forward = counted.forward_overflows > before.forward_overflows
-        if record.get("retries"):
-            progress.note(
-                f"step {step + 1}: gradients overflowed, batch rerun {record['retries']} "
-                f"time(s) at a lower scale (--retry); scale {scale_used:g} -> {scale:g}"
-            )
-        if record["skipped"]:
-            why = "non-finite loss: a forward overflow" if forward else "non-finite gradients"
-            # a forward overflow's NaNs fill every gradient: name the losses alone
-            where = [r for r in scaler.last_overflow if not forward or r.name == "<loss>"]
-            located = "; ".join(map(str, where[:3])) + (
-                f"; and {len(where) - 3} more" if len(where) > 3 else ""
-            )
-            progress.note(
-                f"step {step + 1}: skipped on all {dist.get_world_size()} rank(s) ({why}); "
-                f"scale {scale_used:g} -> {scale:g}"
-                + (f"; located at {located}" if located else "")
-            )
+            forward = _count_step(record, before, counted)
+        _note_step(progress, record, scale_used, forward, scaler)
         elapsed = time.perf_counter() - started
         progress.update(
             step,
@@ -623,6 +557,45 @@ def train_loop(
             save_checkpoint(args.checkpoint_dir, step + 1, state)
     progress.close()
     return history
+
+
+def _count_step(record: dict[str, Any], before: ScalerStats, counted: ScalerStats) -> bool:
+    """Add to the step's record what the counters say of it (``counted``, read after it;
+    ``before``, at the last read): its batch's reruns, and the meter's reading where the meter
+    read this step. Returns whether the step's loss itself was non-finite."""
+    record["retries"] = counted.retries - before.retries
+    if counted.underflow_step == record["step"]:
+        record["underflow"] = counted.underflow
+    return counted.forward_overflows > before.forward_overflows
+
+
+def _note_step(
+    progress: Progress,
+    record: dict[str, Any],
+    scale_used: float,
+    forward: bool,
+    scaler: ShardedGradScaler,
+) -> None:
+    """Rank 0's line for a step that reran its batch or was skipped: why, the scale before and
+    after, and where the overflow was located. ``forward``: the step's loss was non-finite."""
+    step, scale = record["step"], record["scale"]
+    if record.get("retries"):
+        progress.note(
+            f"step {step}: gradients overflowed, batch rerun {record['retries']} "
+            f"time(s) at a lower scale (--retry); scale {scale_used:g} -> {scale:g}"
+        )
+    if not record["skipped"]:
+        return
+    why = "non-finite loss: a forward overflow" if forward else "non-finite gradients"
+    # a forward overflow's NaNs fill every gradient: name the losses alone
+    where = [r for r in scaler.last_overflow if not forward or r.name == "<loss>"]
+    located = "; ".join(map(str, where[:3])) + (
+        f"; and {len(where) - 3} more" if len(where) > 3 else ""
+    )
+    progress.note(
+        f"step {step}: skipped on all {dist.get_world_size()} rank(s) ({why}); "
+        f"scale {scale_used:g} -> {scale:g}" + (f"; located at {located}" if located else "")
+    )
 
 
 def summarise(
@@ -654,7 +627,7 @@ def summarise(
         "batches_dropped": stats.skipped_steps,  # a skipped step's batch is not trained on
         "forward_overflows": stats.forward_overflows,
         "retries": stats.retries,
-        # the underflow meter's last reading (every 100 steps by default; 0: none yet)
+        # the underflow meter's last reading (every --underflow-every steps; 0: none yet)
         "underflow": stats.underflow,
         "underflow_scale": stats.underflow_scale,
         "underflow_step": stats.underflow_step,
@@ -667,7 +640,7 @@ def summarise(
         "parallel": args.parallel,
         "pipeline_stages": job.pipeline.stages if job.pipeline is not None else 1,
         "precision": args.precision,
-        "loss_scaling": scaler.is_enabled() and args.precision == "fp16",
+        "loss_scaling": args.precision == "fp16" and not args.no_loss_scaling,
         "backend": str(dist.get_backend()),
         "tokens_per_s": tokens_per_step * len(history) / elapsed if history else 0.0,
         "elapsed_s": elapsed,
@@ -699,7 +672,7 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     resume_if_asked(args, state, restart, progress)
 
     started = time.perf_counter()
-    history = train_loop(args, job, batches, state, restart, progress)
+    history = train_loop(args, job, batches, state, progress)
     elapsed = time.perf_counter() - started
     final_step = state["train"]["step"]
     if args.checkpoint_dir is not None and not args.checkpoint_every and final_step >= args.steps:
@@ -750,7 +723,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
             f"{summary['underflow']:.3%} of non-zero elements below 2^-14 at step "
             f"{summary['underflow_step']} (at most 0.1% from scale {summary['underflow_scale']:g})"
             if summary["underflow_step"]
-            else "- (not read yet: every 100 steps)",
+            else "- (no reading yet: --underflow-every)",
         ),
         (
             "world size",

@@ -1,6 +1,6 @@
 """Soak: thousands of steps, random infs/NaNs in random ranks' shards, zero divergences allowed.
 
-    torchrun --standalone --nproc-per-node 2 launch/job/soak.py --steps 5000 --json runs/soak.json
+    torchrun --standalone --nproc-per-node 2 launch/rigs/soak.py --steps 5000 --json runs/soak.json
 
 Every ``--segment`` steps the run switches to a random gradient kind (plain, DDP, FSDP1 flat,
 FSDP1 with original parameters, FSDP2) and optimizer flavour (for-loop, foreach, fused), drawn
@@ -29,10 +29,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from replicas import local_grad_shards, ranks_agree, state_digest
 from torch import nn
 
 from shardscale import ShardedGradScaler, ShardScaleDistributedError
+
+# The job's own record of what each rank holds (its shards, the digests the job compares).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "job"))
+from replicas import local_grad_shards, ranks_agree, state_digest
 
 KINDS = ("plain", "ddp", "fsdp1", "fsdp1_orig", "fsdp2")
 FLAVOURS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}

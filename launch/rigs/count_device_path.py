@@ -14,14 +14,14 @@ The optimizers are stubs: the scalers only see whether an optimizer takes ``grad
 torch's ``clip_grad_norm_(foreach=True)`` refuses ``meta`` by its device list only; the script
 lifts that check so that the foreach ops of its CUDA path are counted.
 
-Run: ``python launch/bench/count_device_path.py`` (prints docs/benchmarks.md's table).
+Run: ``python launch/rigs/count_device_path.py`` (prints docs/benchmarks.md's table).
 Uses only the public APIs of torch and shardscale; the test suite's own counter
 (tests/devicepath.py) checks these numbers and docs/benchmarks.md. On ``meta`` a CPU build of
 torch has no CUDA events or pinned memory, which ours uses after a fused step (a non-blocking
 copy of the alarms' streaks, waited for an update later): ``_cuda_stand_ins`` records nothing
 and lets that run, so its copy is counted as on a GPU.
 
-``--device cuda`` (``launch/gpu_check.sh``) counts the same steps on a GPU with the same rule,
+``--device cuda`` (``launch/rigs/gpu_check.sh``) counts the same steps on a GPU with the same rule,
 host reads and copies for real, and adds the CUDA kernels and memory operations that the
 profiler saw launched: what the meta count stands in for.
 """

@@ -1,7 +1,7 @@
 """Scale policies side by side: how fast each finds the scale that fits the gradients, how often
 it skips a batch, and how much of the gradient underflows meanwhile.
 
-    torchrun --standalone --nproc-per-node 2 launch/bench/scale_policies.py \\
+    torchrun --standalone --nproc-per-node 2 launch/rigs/scale_policies.py \\
         --json runs/scale_policies.json --plot docs/img/scale_policies.png
 
 A small MLP (fp16 autocast on the CPU, DDP over gloo, AdamW) learns a fixed teacher on the same

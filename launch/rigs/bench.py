@@ -2,7 +2,8 @@
 
 Run on 2 ranks (gloo on CPU, NCCL on GPUs; picked automatically):
 
-    torchrun --standalone --nproc-per-node 2 launch/bench/bench.py
+    torchrun --standalone --nproc-per-node 2 launch/rigs/bench.py            # the tables
+    torchrun --standalone --nproc-per-node 2 launch/rigs/bench.py --phases   # phase by phase
 
 Two FSDP2 workloads: (a) 20 M parameters in 8 tensors, (b) 2 M parameters in 400 tensors. The
 optimizer is a no-op, so only the scaler is timed: ``step()`` + ``update()`` (and, in the clip
@@ -28,6 +29,18 @@ profiler) and, on CUDA, the kernels launched per step. Candidates are timed in i
 rounds, so drift on a shared machine falls on all of them alike. One more row per optimizer
 kind, ours with ``underflow_every=1``, times a step of the underflow meter (by default one step
 in 100): the meter's cost is its difference from ours, over 100.
+
+``--phases`` times each phase of our step instead, to see where its cost above the floor goes
+(CPU ranks on gloo, one thread each). On the 400-tensor workload, gradients kept and fresh,
+through the public API only, as a user would time it: ``unscale_`` (the walk of the gradients and
+the check kernel), ``step`` after it (the agreement: one all-reduce, then the decision; a
+scaler's first ``unscale_`` agrees at once instead, and that step is not timed), ``update``
+(counters and the policy), each timed within one real step that starts after a barrier, and
+beside them what no scaler can avoid: torch's check kernel over the same gradients and a bare
+all-reduce. ``unscale_`` less the kernel is the walk and the Python around it. Medians in ms, per
+rank. Then, on rank 0 alone, the check kernel beside a bare multiply over both workloads'
+shapes, per tensor and over one flat buffer, in fp32 and fp16: what the check itself costs
+above the floor.
 """
 
 from __future__ import annotations
@@ -39,6 +52,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -53,7 +67,7 @@ from torch.profiler import ProfilerActivity, profile
 from shardscale import ShardedGradScaler, count_collectives
 
 # torch's fused check: multiply by inv_scale and raise found_inf in one pass, which all three
-# scalers run on a step; called directly (here and in bench_phases.py), it is the kernel's own cost.
+# scalers run on a step; called directly (the floors, --phases), it is the kernel's own cost.
 check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 
 WORKLOADS = {
@@ -275,7 +289,111 @@ def bench_workload(
     return rows
 
 
-def main() -> None:
+# ------------------------------------------------------------------ --phases
+
+
+def _median_ms(run: Callable[[], object], prepare: Run | None, iterations: int = 40) -> float:
+    times = []
+    for i in range(iterations + 3):
+        if prepare is not None:
+            prepare()
+        dist.barrier()
+        start = time.perf_counter()
+        run()
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1e3, 3)
+
+
+def _kernel_ms(run: Callable[[], object], iterations: int = 30) -> float:
+    times = []
+    for i in range(iterations + 3):
+        start = time.perf_counter()
+        run()
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1e3, 3)
+
+
+def check_kernel_beside_multiply() -> None:
+    """Median ms of the check-and-unscale kernel and of a bare multiply, one thread."""
+    one, flag = torch.ones(()), torch.zeros(())
+    for count, numel in ((8, 1_250_000), (400, 2_500)):
+        for dtype in (torch.float32, torch.float16):
+            grads = [torch.randn(numel).mul_(0.01).to(dtype) for _ in range(count)]
+            flat = torch.cat(grads)
+            timings = {
+                "multiply, per tensor": _kernel_ms(partial(torch._foreach_mul_, grads, one)),
+                "check, per tensor": _kernel_ms(partial(check_and_unscale_, grads, flag, one)),
+                "multiply, flat": _kernel_ms(partial(flat.mul_, one)),
+                "check, flat": _kernel_ms(partial(check_and_unscale_, [flat], flag, one)),
+            }
+            print(f"kernels {count} x {numel} {dtype}: {timings}", flush=True)
+
+
+def step_phases(
+    scaler: ShardedGradScaler,
+    optimizer: torch.optim.Optimizer,
+    prepare: Run | None,
+    iterations: int = 40,
+) -> dict[str, float]:
+    """Median ms of ``unscale_``, ``step`` and ``update``, each timed within one real step."""
+    times: dict[str, list[float]] = {"unscale_": [], "step": [], "update": []}
+    for i in range(iterations + 3):
+        if prepare is not None:
+            prepare()
+        dist.barrier()
+        t0 = time.perf_counter()
+        scaler.unscale_(optimizer)
+        t1 = time.perf_counter()
+        scaler.step(optimizer)
+        t2 = time.perf_counter()
+        scaler.update()
+        t3 = time.perf_counter()
+        if i >= 3:
+            for name, spent in zip(times, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                times[name].append(spent)
+    return {name: round(statistics.median(ts) * 1e3, 3) for name, ts in times.items()}
+
+
+def phases() -> None:
+    """``--phases``: our step phase by phase beside the check kernel and a bare all-reduce, on
+    CPU ranks (gloo, one thread each); then the kernel beside a bare multiply, on rank 0."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    model = Tensors(400, 5_000, torch.device("cpu"))
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    model(torch.ones(())).backward()
+    optimizer = NoOpOptimizer(model.parameters(), takes_scale=False)
+    scaler = ShardedGradScaler(init_scale=1.0, growth_interval=10**9)
+    scaler.scale(torch.ones(()))
+    one, flag, zero = torch.ones(()), torch.zeros(()), torch.zeros(())
+
+    def step_update() -> None:
+        scaler.step(optimizer)
+        scaler.update()
+
+    for mode, prepare in (("kept", None), ("fresh", lambda: _renew_grads(model))):
+        timings = step_phases(scaler, optimizer, prepare)
+        timings |= {
+            "check kernel (per tensor, gather incl.)": _median_ms(
+                lambda: check_and_unscale_(local_grads(model), flag, one), prepare
+            ),
+            "bare all-reduce": _median_ms(lambda: dist.all_reduce(zero.clone()), prepare),
+            "step + update": _median_ms(step_update, prepare),
+        }
+        print(f"rank {dist.get_rank()} gradients {mode}: {timings}", flush=True)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        check_kernel_beside_multiply()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ the tables
+
+
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds")
     parser.add_argument(
@@ -284,8 +402,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before measuring")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--json", help="also write the results to this JSON file (rank 0)")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="time our step phase by phase instead of the tables (CPU ranks, gloo)",
+    )
+    return parser.parse_args()
 
+
+def _init_group() -> torch.device:
+    """NCCL and this rank's GPU where CUDA is there, else gloo on the CPU."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -294,6 +420,36 @@ def main() -> None:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
         dist.init_process_group("gloo")
+    return device
+
+
+def _print_tables(results: dict[str, Any], cuda: bool) -> None:
+    print(
+        f"world_size={results['world_size']} backend={results['backend']} "
+        f"device={results['device']} torch={results['torch']} "
+        f"threads/rank={results['threads_per_rank']}"
+    )
+    for label, rows in results["workloads"].items():
+        print(f"\n### {label}\n")
+        print(
+            "| scaler | optimizer | median ms | x floor | collectives/step"
+            + (" | CUDA kernels/step |" if cuda else " |")
+        )
+        print("|---|---|---:|---:|---:|" + ("---:|" if cuda else ""))
+        for row in rows:
+            print(
+                f"| {row['scaler']} | {row['optimizer']} | {row['median_ms']:.3f} | "
+                f"{row['x_floor']:.2f} ({row['floor']}) | {row['collectives']} |"
+                + (f" {row['cuda_kernels']} |" if cuda else "")
+            )
+
+
+def main() -> None:
+    args = _parse_args()
+    if args.phases:
+        phases()
+        return
+    device = _init_group()
     torch.manual_seed(0)
     results: dict[str, Any] = {
         "world_size": dist.get_world_size(),
@@ -311,24 +467,7 @@ def main() -> None:
                 count, numel, mode, device, args.rounds, args.per_round, args.warmup
             )
     if dist.get_rank() == 0:
-        print(
-            f"world_size={results['world_size']} backend={results['backend']} "
-            f"device={results['device']} torch={results['torch']} "
-            f"threads/rank={results['threads_per_rank']}"
-        )
-        for label, rows in results["workloads"].items():
-            print(f"\n### {label}\n")
-            print(
-                "| scaler | optimizer | median ms | x floor | collectives/step"
-                + (" | CUDA kernels/step |" if device.type == "cuda" else " |")
-            )
-            print("|---|---|---:|---:|---:|" + ("---:|" if device.type == "cuda" else ""))
-            for row in rows:
-                print(
-                    f"| {row['scaler']} | {row['optimizer']} | {row['median_ms']:.3f} | "
-                    f"{row['x_floor']:.2f} ({row['floor']}) | {row['collectives']} |"
-                    + (f" {row['cuda_kernels']} |" if device.type == "cuda" else "")
-                )
+        _print_tables(results, cuda=device.type == "cuda")
         if args.json:
             with open(args.json, "w") as file:
                 json.dump(results, file, indent=2)

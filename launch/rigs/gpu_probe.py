@@ -1,7 +1,7 @@
-"""Two checks only a GPU can make, runnable without pytest (``launch/gpu_check.sh`` runs both).
+"""Two checks only a GPU can make, runnable without pytest (``launch/rigs/gpu_check.sh`` runs both).
 
-    python launch/bench/gpu_probe.py sync    # fused step + update make no host synchronisation
-    python launch/bench/gpu_probe.py graph   # step + update captured in a CUDA graph, replayed
+    python launch/rigs/gpu_probe.py sync    # fused step + update make no host synchronisation
+    python launch/rigs/gpu_probe.py graph   # step + update captured in a CUDA graph, replayed
 
 ``sync``: step + update with fused AdamW (after ``clip_grad_norm_``, ``unscale_`` or neither;
 with ``capturable=True`` too) under ``torch.cuda.set_sync_debug_mode("error")``, which raises on

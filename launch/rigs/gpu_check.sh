@@ -2,7 +2,7 @@
 # Check shardscale on one lent GPU, inside one command of the device tool: about 3 minutes on an
 # H100, and at most 7 (the checks' timeouts and their 5 s kill grace add up to 410 s):
 #
-#   bash launch/gpu_check.sh RESULTS_DIR        # PYTHON=/path/to/python picks the interpreter
+#   bash launch/rigs/gpu_check.sh RESULTS_DIR        # PYTHON=/path/to/python picks the interpreter
 #
 # Installs nothing: shardscale is taken from this checkout on PYTHONPATH, and everything else
 # (torch with CUDA, pytest, pytest-xdist, pytest-timeout, hypothesis, numpy) must be there
@@ -14,19 +14,19 @@
 #            torch.cuda.set_sync_debug_mode("error"): no host synchronisation
 #   graph    step + update of a fused capturable AdamW captured in a CUDA graph and replayed
 #   count    host reads, copies and kernels per step on CUDA beside the meta device's counts
-#   bench    launch/bench/bench.py on one GPU: ours beside torch's two scalers and the floor
+#   bench    launch/rigs/bench.py on one GPU: ours beside torch's two scalers and the floor
 #   example  launch/examples/fsdp2_fp16.py for 3 steps on one GPU, then resumed to 5
 # RESULTS_DIR gets summary.txt (the machine and one line per check) and one log per check
 # (bench.json too): 8 files. Exit status: 0 if every check passed, 1 if any failed, 2 if no
 # GPU is visible (then nothing is written, RESULTS_DIR is not made).
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 
 PYTHON="${PYTHON:-python3}"
 say() { echo "gpu_check: $*"; }
 
 if [[ $# -ne 1 ]]; then
-    echo "usage: bash launch/gpu_check.sh RESULTS_DIR (where the logs and summary.txt go)" >&2
+    echo "usage: bash launch/rigs/gpu_check.sh RESULTS_DIR (where the logs and summary.txt go)" >&2
     exit 64
 fi
 if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null
@@ -72,16 +72,16 @@ check() {
 # the project's addopts (--dist loadgroup) stay; 4 workers share the one GPU
 check tests 110 "$PYTHON" -m pytest tests -m "gpu or nccl" -p no:cacheprovider -n 4 \
     --timeout 120 -q -rA
-check sync 35 "$PYTHON" launch/bench/gpu_probe.py sync
-check graph 35 "$PYTHON" launch/bench/gpu_probe.py graph
+check sync 35 "$PYTHON" launch/rigs/gpu_probe.py sync
+check graph 35 "$PYTHON" launch/rigs/gpu_probe.py graph
 check count 45 "$PYTHON" -c '
 import subprocess, sys
 for device in ("meta", "cuda"):
     print(f"--device {device}:", flush=True)
-    subprocess.run([sys.executable, "launch/bench/count_device_path.py", "--device", device],
+    subprocess.run([sys.executable, "launch/rigs/count_device_path.py", "--device", device],
                    check=True)'
 check bench 80 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 \
-    launch/bench/bench.py --rounds 10 --json "$results/bench.json"
+    launch/rigs/bench.py --rounds 10 --json "$results/bench.json"
 example() {  # a first run, then a resume from its checkpoint
     local run=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1
         launch/examples/fsdp2_fp16.py --checkpoint-dir "$checkpoints" --steps)
