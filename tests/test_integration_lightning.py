@@ -102,15 +102,25 @@ def test_lightning_refuses_fp16_with_model_parallel_without_the_plugin() -> None
         )
 
 
-def test_lightning_plugins_are_lightning_precision_classes() -> None:
-    from lightning.fabric.plugins import Precision as FabricPrecisionBase
-    from lightning.pytorch.plugins import Precision as TrainerPrecisionBase
+def test_lightning_plugins_are_taken_as_lightnings_precision() -> None:
+    """Lightning itself takes them as its precision plugin (not merely: they subclass its base)."""
+    import lightning as L
 
     from shardscale import ShardedGradScaler
     from shardscale.integrations.lightning import FabricPrecision, TrainerPrecision
 
-    assert isinstance(FabricPrecision("cpu"), FabricPrecisionBase)
-    assert isinstance(TrainerPrecision("cpu"), TrainerPrecisionBase)
+    trainer_plugin, fabric_plugin = TrainerPrecision("cpu"), FabricPrecision("cpu")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[trainer_plugin],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    assert trainer.precision_plugin is trainer_plugin
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[fabric_plugin])
+    assert fabric.strategy.precision is fabric_plugin
     assert TrainerPrecision("cpu", init_scale=8.0).scaler.get_scale() == 8.0
     with pytest.raises(ValueError, match=r"a scaler or the keyword arguments .* \['init_scale'\]"):
         TrainerPrecision("cpu", scaler=ShardedGradScaler(), init_scale=8.0)
