@@ -9,10 +9,13 @@ from shardscale._errors import (
     ShardScaleWarning,
 )
 from shardscale._locate import (
+    ActivationWatch,
     NonFiniteGrad,
+    UnderflowingActivation,
     UnderflowingGrad,
     find_nonfinite_grads,
     find_underflowing_grads,
+    watch_activations,
 )
 from shardscale._policy import ScalePolicy, ScaleState
 from shardscale._profiling import count_collectives
@@ -21,6 +24,7 @@ from shardscale.async_scaler import AsyncShardedGradScaler
 from shardscale.scaler import ShardedGradScaler
 
 __all__ = [
+    "ActivationWatch",
     "AsyncShardedGradScaler",
     "NonFiniteGrad",
     "ScalePolicy",
@@ -31,11 +35,13 @@ __all__ = [
     "ShardScaleSkipError",
     "ShardScaleWarning",
     "ShardedGradScaler",
+    "UnderflowingActivation",
     "UnderflowingGrad",
     "__version__",
     "count_collectives",
     "find_nonfinite_grads",
     "find_underflowing_grads",
+    "watch_activations",
 ]
 
 try:

@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from torch import nn
 from shardscale._bins import underflow_counts
 from shardscale._config import timeout_option
 from shardscale._exchange import Exchange
-from shardscale._grads import original_slices
+from shardscale._grads import move, original_slices
 from shardscale._policy import check_real
 
 # The library's logger: INFO per skipped step (rate-limited), WARNING for located overflows.
@@ -288,3 +288,182 @@ def log_located(step: int, located: list[NonFiniteGrad], forward: bool) -> None:
         step,
         "; ".join(map(str, located)) or "(none: already cleared)",
     )
+
+
+@dataclass(frozen=True, slots=True)
+class UnderflowingActivation:
+    """The gradient with respect to one module's output, in one backward, over every rank: how
+    much of it sat below fp16's normal range, at the scale the backward ran with.
+
+    Attributes:
+        name: the module's fully-qualified name in the user's model (no wrapper prefixes).
+        num_underflowing: of the counted elements, those below 2^-14: subnormal in fp16.
+        num_nonzero: the counted elements: the non-zero ones whose magnitude lies in 2^-64 ...
+            2^64 (`shardscale._bins`' one definition, the meter's).
+        num_zeros: the exact zeros. In an fp16 gradient a zero may be a value flushed below
+            2^-24 or a true zero (ReLU's mask, dropout, a padded token): nothing here tells them
+            apart. In an fp32 one (a module autocast runs in fp32) a flush needs a value below
+            1e-45: its zeros are true zeros.
+        dtype: the gradient's dtype (`"float16"`, ...).
+    """
+
+    name: str
+    num_underflowing: int
+    num_nonzero: int
+    num_zeros: int
+    dtype: str
+
+    @property
+    def fraction(self) -> float:
+        """`num_underflowing / num_nonzero` (0 without a counted element)."""
+        return self.num_underflowing / self.num_nonzero if self.num_nonzero else 0.0
+
+
+class ActivationWatch:
+    """The context of [`watch_activations()`][shardscale.watch_activations]: hooks while it is
+    open, [`records`][records] once it has closed."""
+
+    def __init__(self, model: nn.Module, exchange: Exchange) -> None:
+        self._model, self._exchange = model, exchange
+        self._handles: list[Any] = []
+        self._open = False
+        # (name, tensor) hooked already: a wrapper's output is its inner module's, same name
+        self._hooked: set[tuple[str, int]] = set()
+        # per module: its counts on the device, [below, counted, non-zero], its elements, dtype
+        self._counts: dict[str, tuple[torch.Tensor, int, str]] = {}
+        self.records: list[UnderflowingActivation] = []
+        """Every module whose output's gradient the backward reached, the worst (the largest
+        fraction below 2^-14) first; identical on every rank. Empty until the watch closes."""
+
+    def __enter__(self) -> ActivationWatch:
+        self._open = True
+        for name, module in _unwrapped(self._model).named_modules():
+            clean = clean_name(name + ".").removesuffix(".")  # a wrapper's inner module too
+            if clean:  # not the model itself, nor a root wrapper's inner module
+                self._handles.append(module.register_forward_hook(self._on_output(clean)))
+        return self
+
+    def _on_output(self, name: str) -> Callable[..., None]:
+        """A forward hook: a gradient hook on each of the module's outputs that needs one."""
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            for tensor in _tensors_in(output):
+                if self._open and tensor.requires_grad and (name, id(tensor)) not in self._hooked:
+                    self._hooked.add((name, id(tensor)))
+                    tensor.register_hook(lambda grad: self._count(name, grad))  # type: ignore[no-untyped-call]
+
+        return hook
+
+    def _count(self, name: str, grad: torch.Tensor) -> None:
+        """Add `grad`'s counts to `name`'s, on its device: no host read during the backward."""
+        if not self._open:  # a backward after the watch closed: not this one's
+            return
+        with torch.no_grad():
+            counts = torch.cat((underflow_counts(grad, 1.0), torch.count_nonzero(grad).reshape(1)))
+            known = self._counts.get(name)
+            elements = grad.numel()
+            if known is not None:
+                counts, elements = counts + move(known[0], counts.device), elements + known[1]
+        self._counts[name] = (counts, elements, str(grad.dtype).removeprefix("torch."))
+
+    def __exit__(self, *exc: object) -> None:
+        """Close: remove the hooks, read the counts (one host transfer per device), gather them
+        from every rank (one gather) and make the records."""
+        self._open = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if exc[0] is not None:
+            return
+        gathered = self._exchange.gather_objects(
+            _read_counts(self._counts), None, "their activation gradient counts"
+        )
+        totals: dict[str, list[Any]] = {}
+        for ranks_counts in cast(list[dict[str, list[Any]]], gathered):
+            for name, (below, counted, nonzero, elements, dtype) in ranks_counts.items():
+                total = totals.setdefault(name, [0, 0, 0, dtype])
+                total[0], total[1] = total[0] + below, total[1] + counted
+                total[2] += elements - nonzero
+        records = [UnderflowingActivation(name, *total) for name, total in totals.items()]
+        self.records = sorted(records, key=_worst_first)
+
+
+def _read_counts(counts: dict[str, tuple[torch.Tensor, int, str]]) -> dict[str, list[Any]]:
+    """Each module's counts as host numbers, `[below, counted, non-zero, elements, dtype]`: one
+    transfer per device."""
+    by_device: dict[torch.device, list[str]] = {}
+    for name, (values, _elements, _dtype) in counts.items():
+        by_device.setdefault(values.device, []).append(name)
+    read: dict[str, list[Any]] = {}
+    for names in by_device.values():
+        rows = torch.stack([counts[name][0] for name in names]).cpu().tolist()
+        for name, row in zip(names, rows, strict=True):
+            read[name] = [*map(int, row), counts[name][1], counts[name][2]]
+    return read
+
+
+def _tensors_in(output: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a module's output: itself, or those in (nested) tuples, lists and dicts."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (tuple, list)):
+        for item in output:
+            yield from _tensors_in(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors_in(item)
+
+
+def _worst_first(record: UnderflowingActivation) -> tuple[float, int]:
+    """The largest fraction below 2^-14 first; then the most elements there."""
+    return (-record.fraction, -record.num_underflowing)
+
+
+def watch_activations(
+    model: nn.Module,
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    timeout: timedelta | float | None = None,
+) -> ActivationWatch:
+    """Where in `model` fp16 loses gradient: the gradient with respect to each module's output,
+    in the backward the context surrounds, measured against fp16's normal range.
+
+    The parameters' gradients cannot show it: under autocast they are fp32, formed after the
+    activations' gradients (fp16) have already flushed to zero what fell below 2^-24 and
+    rounded what fell below 2^-14. So this watches the activations' gradients themselves:
+
+    ```python
+    with shardscale.watch_activations(model) as watch:   # before the forward: it hooks it
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = loss_fn(model(inputs), targets)
+        scaler.scale(loss).backward()
+    for record in watch.records[:5]:                      # the worst first
+        print(record.name, f"{record.fraction:.1%}", record.dtype)
+    ```
+
+    Enter it before the forward of the iteration to watch: it hooks every module's forward, and
+    each output's gradient in the backward. The gradients are taken as they flow, at the scale
+    the backward ran with (the loss scale is in them); each module's record counts the non-zero
+    elements, those below 2^-14 (`fraction`), and the zeros, which in an fp16 gradient may be
+    flushed values ([`UnderflowingActivation`][shardscale.UnderflowingActivation] says what can
+    be told apart). Names are the user's model's, without DDP's, FSDP1's, activation
+    checkpointing's or `torch.compile`'s prefixes, as
+    [`find_nonfinite_grads()`][shardscale.find_nonfinite_grads] names parameters; a module
+    called several times in the forward adds up.
+
+    Cost: nothing outside the context. Inside, a forward hook per module call, and per output's
+    gradient about six kernels (abs, a cast from fp16, log2, the range tests, the sums) and a
+    temporary of its size, no host read; on closing, one host transfer per device and one
+    gather (two collectives) of the records when the process group has more than one rank:
+    call it on every rank of `process_group` (None: the default group); `timeout` bounds the
+    wait for the others. Every rank then holds the same records, counted over every rank.
+
+    Returns:
+        An [`ActivationWatch`][shardscale.ActivationWatch]: its `records`, once closed.
+
+    Raises:
+        TypeError: `model` is not a module.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return ActivationWatch(model, Exchange(process_group, timeout_option("timeout", timeout)))

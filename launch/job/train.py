@@ -44,7 +44,7 @@ from pipeline import Pipeline
 from replicas import local_grad_shards, params_digest, ranks_agree, steps_digest
 from torch import nn
 
-from shardscale import ScalerStats, ShardedGradScaler
+from shardscale import ScalerStats, ShardedGradScaler, watch_activations
 
 _COMPUTE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
 
@@ -135,6 +135,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the scaler's underflow meter reads the gradients every K steps; each reading goes "
         "into that step's record as 'underflow' (0: never)",
     )
+    add(
+        "--watch-activations",
+        type=int,
+        default=0,
+        metavar="K",
+        help="every K steps, watch that step's backward (shardscale.watch_activations) and print "
+        "the modules whose output gradients lose the most to fp16's range (0: never)",
+    )
     add("--log-every", type=int, default=10, help="progress lines when not on a terminal")
     add("--summary-json", type=Path, help="write the run's summary here (rank 0)")
     add("--plot", type=Path, help="write a PNG of loss and scale against step (rank 0)")
@@ -170,6 +178,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         "verify_every",
         "max_retries",
         "underflow_every",
+        "watch_activations",
     ):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -500,12 +509,17 @@ def train_step(
             )
         return global_loss
 
-    if args.retry:
-        scaler.step(job.optimizer, closure=run_batch)
-    else:
-        run_batch()
-        scaler.step(job.optimizer)
+    watching = _due(args.watch_activations, step)
+    with watch_activations(job.model) if watching else nullcontext() as watch:
+        if args.retry:  # every run of the batch adds to the watch
+            scaler.step(job.optimizer, closure=run_batch)
+        else:
+            run_batch()
+            scaler.step(job.optimizer)
     scaler.update()
+    if watch is not None:  # the worst first: (module, fraction below 2^-14, dtype)
+        worst = watch.records[:5]
+        record["activations"] = [(r.name, r.fraction, r.dtype) for r in worst]
     record["scale"] = scaler.get_scale()
     record["skipped"] = scaler.last_step_skipped  # free after AdamW's (non-fused) step
     if "grad_norm" in record:
@@ -579,6 +593,11 @@ def _note_step(
     """Rank 0's line for a step that reran its batch or was skipped: why, the scale before and
     after, and where the overflow was located. ``forward``: the step's loss was non-finite."""
     step, scale = record["step"], record["scale"]
+    if record.get("activations"):
+        worst = [f"{name} {share:.2%} ({dtype})" for name, share, dtype in record["activations"]]
+        progress.note(
+            f"step {step}: activation gradients below 2^-14, worst first: " + ", ".join(worst[:3])
+        )
     if record.get("retries"):
         progress.note(
             f"step {step}: gradients overflowed, batch rerun {record['retries']} "
