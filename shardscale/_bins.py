@@ -1,23 +1,22 @@
-"""The 128 bins: the gradients' magnitudes by power of two, for the fit and the underflow meter.
+"""The gradients' range, read beside the agreement: the fit's peak and the meter's 128 bins.
 
-A ballot (`shardscale._exchange`) may carry 128 float32 slots, one per power of two: slot i
-holds magnitudes in [2^(i+BIN_LOW-1), 2^(i+BIN_LOW)), 2^-64 to 2^64 in all. Two features read
-the gradients' range through them, beside the agreement and in its one collective:
+Two features read how large the gradients are, and ride the step's one collective
+(`shardscale._exchange` carries what they read; here it is made and read back):
 
-* the fit (`scale_policy="fit"`): each rank raises the slot holding its largest |scaled
-  gradient|. Whether the ballot reduces by MAX or by SUM, the highest raised slot is then the
-  group's, so the power of two just above the group's largest gradient travels exactly
-  ([`Bins.peak`][]);
-* the underflow meter (every `underflow_every` steps, where [`counts_can_travel`][]): each slot
-  counts this rank's non-zero gradient elements in it; the counts add up over the ranks (a SUM), and
-  [`meter_reading`][] reads off the fraction below fp16's normal range and the scale that would
-  keep all but `UNDERFLOW_TARGET` of them above it. The highest counted slot is the same bound
-  for the fit.
+* the fit (`scale_policy="fit"`): each rank's largest |scaled gradient| ([`peak`][]). It travels
+  in a slot of the ballot, one per rank where the ballot reduces by SUM (a clip's 2-norm, the
+  meter's counts), so that the largest survives the reduction; the fit then takes the power of
+  two just above the group's largest ([`power_above`][]);
+* the underflow meter (every `underflow_every` steps, where [`counts_can_travel`][]): 128 slots,
+  one per power of two, slot i for magnitudes in [2^(i+BIN_LOW-1), 2^(i+BIN_LOW)), 2^-64 to 2^64
+  in all; each counts this rank's non-zero gradient elements in it ([`counted`][]), the counts add
+  up over the ranks (a SUM), and [`meter_reading`][] reads off the fraction below fp16's normal
+  range and the scale that would keep all but `UNDERFLOW_TARGET` of them above it.
 
-"Underflow" has one definition, here, for the meter, `find_underflowing_grads` and the example
-job: of the non-zero gradient elements whose scaled magnitude lies in the bins' range
-[2^-64, 2^64], those below `UNDERFLOW_BELOW` (2^-14: subnormal in fp16, or flushed to zero)
-([`underflow_counts`][] counts them directly, the meter through its bins).
+"Underflow" has one definition, here, for the meter, `find_underflowing_grads`, the activation
+watch and the example job: of the non-zero gradient elements whose scaled magnitude lies in the
+bins' range [2^-64, 2^64], those below `UNDERFLOW_BELOW` (2^-14: subnormal in fp16, or flushed to
+zero) ([`underflow_counts`][] counts them directly, the meter through its bins).
 """
 
 from __future__ import annotations
@@ -85,56 +84,36 @@ def meter_reading(counts: torch.Tensor, scale: torch.Tensor, step: torch.Tensor)
     return torch.stack([step, shares[_BELOW - 1], fitted.double()])
 
 
-class Bins:
-    """A scaler's bins: the encoders (`raised`, `counted`), the decoder (`peak`), and the one
-    constant they need per device (the slots' powers of two), made once, never shared."""
+def counted(groups: Groups, device: torch.device, scale: torch.Tensor | None) -> torch.Tensor:
+    """The meter's bins of `groups` (times `scale`, for gradients unscaled already): how many
+    non-zero elements fall in each slot (zeros, inf, NaN and magnitudes beyond the range in
+    none), float32 on `device`. Three kernels per tensor (abs, log2, `histc`; a fourth casts
+    fp16/bf16 to float32, a fifth multiplies by `scale`), a temporary of one tensor's size at a
+    time, no host read."""
+    bins = torch.zeros(BINS, dtype=torch.float32, device=device)
+    for group in groups:
+        for grads in group.values():
+            for grad in grads:
+                bins += move(torch.histc(_logs(grad, scale), BINS, *_LOG_RANGE), device)
+    return bins
 
-    def __init__(self) -> None:
-        self._powers: dict[torch.device, torch.Tensor] = {}
 
-    def of(
-        self, groups: Groups, device: torch.device, scale: torch.Tensor | None, counting: bool
-    ) -> torch.Tensor:
-        """`groups`' bins: counted on the meter's steps (`counting`), else raised for the fit."""
-        return (
-            self.counted(groups, device, scale) if counting else self.raised(groups, device, scale)
-        )
+def peak(groups: Groups, device: torch.device, scale: torch.Tensor | None) -> torch.Tensor | None:
+    """The fit's reading of `groups`: their largest |gradient| (times `scale`, for gradients
+    unscaled already), a float32 scalar on `device` (non-finite where one is); None without a
+    gradient. One read pass: a kernel per (device, dtype) group, and two more."""
+    norms = []
+    for group in groups:
+        for grads in group.values():
+            norms += [
+                move(norm, device) for norm in foreach_norm(grads, math.inf, dtype=torch.float32)
+            ]
+    if not norms:
+        return None
+    largest = torch.stack(norms).amax()
+    return largest if scale is None else largest * move(scale, device)
 
-    def raised(
-        self, groups: Groups, device: torch.device, scale: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The fit's bins of `groups` (times `scale`, for gradients unscaled already): the slot
-        of the largest |gradient| raised (none for 0 or a non-finite one), float32 on `device`;
-        one read pass, a kernel per group and a few more."""
-        lists = [grads for group in groups for grads in group.values()]
-        peaks = [torch.stack(foreach_norm(g, math.inf, dtype=torch.float32)).amax() for g in lists]
-        peak = torch.stack([torch.zeros((), device=device), *(move(p, device) for p in peaks)])
-        peak = peak.amax() if scale is None else peak.amax() * move(scale, device)
-        exponent = torch.frexp(peak).exponent.clamp_(BIN_LOW, BIN_LOW + BINS - 1)  # peak < 2^e
-        slot = (exponent - BIN_LOW).long().reshape(1)
-        bins = torch.zeros(BINS, dtype=torch.float32, device=device)
-        return bins.index_put_((slot,), ((peak > 0) & (peak < torch.inf)).float())
 
-    def counted(
-        self, groups: Groups, device: torch.device, scale: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The meter's bins of `groups` (times `scale`, for gradients unscaled already): how many
-        non-zero elements fall in each slot (zeros, inf, NaN and magnitudes beyond the range in
-        none), float32 on `device`. Three kernels per tensor (abs, log2, `histc`; a fourth casts
-        fp16/bf16 to float32, a fifth multiplies by `scale`), a temporary of one tensor's size at
-        a time, no host read."""
-        bins = torch.zeros(BINS, dtype=torch.float32, device=device)
-        for group in groups:
-            for grads in group.values():
-                for grad in grads:
-                    bins += move(torch.histc(_logs(grad, scale), BINS, *_LOG_RANGE), device)
-        return bins
-
-    def peak(self, bins: torch.Tensor) -> torch.Tensor:
-        """The power of two just above the largest magnitude `bins` hold (raised or counted),
-        a float32 scalar on their device; 0 where they hold none."""
-        powers = self._powers.get(bins.device)
-        if powers is None:
-            exponents = torch.arange(BIN_LOW, BIN_LOW + BINS, device=bins.device)
-            powers = self._powers[bins.device] = torch.exp2(exponents.float())
-        return ((bins > 0) * powers).amax()
+def power_above(value: torch.Tensor) -> torch.Tensor:
+    """The power of two just above `value` (>= 0, finite): 2^e with `value` < 2^e; 0 for 0."""
+    return torch.ldexp(torch.sign(value), torch.frexp(value).exponent)

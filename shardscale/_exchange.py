@@ -8,7 +8,7 @@ communication device, and the group runs ONE `all_reduce` on it, however many de
 and optimizers hold the gradients:
 
 ```text
-[has gradient elements, skip, forward overflow, has a scale, norm share, bins]
+[has gradient elements, skip, forward overflow, has a scale, norm share, peaks, bins]
 ```
 
 * has gradient elements: 0 for an empty shard, or a rank that ran no backward;
@@ -19,8 +19,9 @@ and optimizers hold the gradients:
 * has a scale: 0 for a rank that never called `scale()` (a pipeline stage before the last),
   until the group has confirmed that some rank does;
 * norm share: this rank's part of a global gradient norm (`clip_grad_norm_` only);
-* bins: the gradients' magnitudes by power of two, for the fit and the underflow meter
-  (`shardscale._bins` writes and reads them; here they only travel).
+* peaks and bins: what the fit and the underflow meter read of the gradients' range (one slot for
+  the fit's largest gradient, one per rank under a SUM; 128 for the meter's counts:
+  `shardscale._bins` writes and reads them; here they only travel).
 
 The reduction is MAX, or SUM when a finite p-norm or counted bins travel (shares and counts add
 up; the flags then count and are clamped to 1). An inf-norm's shares need MAX: the meter waits
@@ -98,9 +99,11 @@ class Ballot:
         norm: The norm slot (a view), where this rank's share of the gradient norm goes; None
             without one.
         loss_checked: Whether a loss's finiteness went into the forward-overflow slot.
-        bins: The bins (a view, `shardscale._bins`); None without them. After the collective
-            they hold the group's.
-        counted: Whether the bins hold counts, which travel in a SUM.
+        peaks: The fit's slots (a view, `shardscale._bins`): this rank writes its largest
+            |scaled gradient| into `peak_slot`, its own (the only one under a MAX); None without
+            the fit. After the collective their largest is the group's.
+        peak_slot: This rank's slot among `peaks`.
+        bins: The meter's counts (a view); None off its steps. They travel in a SUM.
     """
 
     tensor: torch.Tensor
@@ -110,8 +113,9 @@ class Ballot:
     skip: torch.Tensor
     norm: torch.Tensor | None = None
     loss_checked: bool = False
+    peaks: torch.Tensor | None = None
+    peak_slot: torch.Tensor | None = None
     bins: torch.Tensor | None = None
-    counted: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -210,7 +214,7 @@ class Exchange:
         self._comm_devices: dict[torch.device, torch.device] = {}
         self._accelerator: torch.device | None = None  # the scale's, once a ballot was made there
         self._host_waits: dict[torch.device, bool] = {}
-        self._templates: dict[tuple[torch.device, bool, bool, bool, bool], torch.Tensor] = {}
+        self._templates: dict[tuple[torch.device, bool, bool, bool, int, bool], torch.Tensor] = {}
 
     @property
     def world_size(self) -> int:
@@ -229,6 +233,13 @@ class Exchange:
             self._group = requested if requested is not None else dist.group.WORLD
             self._world_size = dist.get_world_size(self._group)
         return self._world_size
+
+    @property
+    def rank(self) -> int:
+        """This rank's place in the group (0 without a process group)."""
+        if self.world_size == 1 or self._group is None:
+            return 0
+        return dist.get_group_rank(self._group, dist.get_rank())
 
     def comm_device(self, preferred: torch.device) -> torch.device:
         """Where a collective for tensors on `preferred` travels.
@@ -269,7 +280,7 @@ class Exchange:
         has_scale: bool,
         loss_nonfinite: torch.Tensor | None = None,
         with_norm: bool = False,
-        with_bins: bool = False,
+        peaks: int = 0,
         counted: bool = False,
     ) -> Ballot:
         """A fresh ballot on the communication device for `device`, in one kernel.
@@ -277,14 +288,15 @@ class Exchange:
         Its forward-overflow slot starts at 1 where `loss_nonfinite` (some loss of this
         iteration was inf or NaN: a bool scalar from `scale()`) is True, else at 0; the local
         check raises the skip slot itself ([`Ballot.skip`][Ballot.skip]). The two templates are
-        made once per device by this exchange, and die with it. `counted`: the bins will hold
+        made once per device by this exchange, and die with it. `peaks`: how many slots the
+        fit's peaks take (1, or the world size under a SUM); `counted`: with the meter's 128
         counts (a SUM).
         """
-        key = (device, has_elements, has_scale, with_norm, with_bins)
+        key = (device, has_elements, has_scale, with_norm, peaks, counted)
         templates = self._templates.get(key)
         if templates is None:
             ok = [float(has_elements), 0.0, 0.0, float(has_scale)] + [0.0] * with_norm
-            ok += [0.0] * (BINS * with_bins)
+            ok += [0.0] * (peaks + BINS * counted)
             bad = [*ok[: Slot.FORWARD], 1.0, *ok[Slot.FORWARD + 1 :]]
             templates = self._templates[key] = torch.tensor(
                 [ok, bad], dtype=torch.float32, device=self.comm_device(device)
@@ -293,6 +305,8 @@ class Exchange:
             votes = templates[0].clone()
         else:
             votes = torch.where(move(loss_nonfinite, templates.device), templates[1], templates[0])
+        start = Slot.NORM + with_norm
+        fit = votes[start : start + peaks] if peaks else None
         return Ballot(
             votes,
             device,
@@ -301,8 +315,9 @@ class Exchange:
             skip=votes[Slot.SKIP],
             norm=votes[Slot.NORM] if with_norm else None,
             loss_checked=loss_nonfinite is not None,
-            bins=votes[-BINS:] if with_bins else None,
-            counted=counted,
+            peaks=fit,
+            peak_slot=None if fit is None else fit[self.rank if peaks > 1 else 0],
+            bins=votes[-BINS:] if counted else None,
         )
 
     def agree(
@@ -346,7 +361,7 @@ class Exchange:
         if norm_type is not None and (others or math.isinf(norm_type)):
             votes[Slot.NORM].masked_fill_(slot > 0, math.inf)  # the overflow shows in the norm
         summed_norm = norm_type is not None and not math.isinf(norm_type)
-        summed = summed_norm or ballot.counted
+        summed = summed_norm or ballot.bins is not None
         if self.world_size > 1:
             op = dist.ReduceOp.SUM if summed else dist.ReduceOp.MAX
             what = "the overflow flag" + (" and gradient norm" if norm_type is not None else "")

@@ -337,6 +337,11 @@ class ClipRecord:
     verdict: Verdict
 
 
+# What the fit and the meter read of a local check's gradients: the largest |scaled gradient|
+# (the fit's; None without it), and the counts by power of two (the meter's steps; else None).
+Reading = tuple[torch.Tensor | None, torch.Tensor | None]
+
+
 @dataclass(slots=True)
 class PendingCheck:
     """Gradients `unscale_()` checked and unscaled locally, whose flags await the agreement
@@ -344,14 +349,13 @@ class PendingCheck:
     one collective.
 
     Attributes:
-        bins: Their bins (`shardscale._bins`; the fit's, or on the meter's steps its counts),
-            taken before the unscale.
+        readings: What the fit and the meter read of their gradients, before the unscale.
     """
 
     records: list[OptimizerRecord] = field(default_factory=list)
     flags: list[torch.Tensor] = field(default_factory=list)
     has_elements: bool = False
-    bins: list[torch.Tensor] = field(default_factory=list)
+    readings: list[Reading | None] = field(default_factory=list)
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

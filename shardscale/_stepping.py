@@ -23,6 +23,7 @@ ones get the scale and the agreed flag, and each target's own `step()` is called
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -32,13 +33,14 @@ from typing import Any, TypeAlias, cast
 
 import torch
 
-from shardscale._bins import Bins, counts_can_travel
+from shardscale._bins import counted, counts_can_travel, peak, power_above
 from shardscale._check import Flags, Kernels, exact_norm_check
 from shardscale._config import ScalerConfig
 from shardscale._exchange import Ballot, Exchange, Flag, Verdict, combined
 from shardscale._grads import (
     GradGroups,
     GradWalk,
+    NormGroups,
     move,
     move_together,
     warn_plain_replicas_assumed,
@@ -49,6 +51,7 @@ from shardscale._state import (
     IterationBook,
     OptimizerRecord,
     PendingCheck,
+    Reading,
     ScaleHome,
     Stage,
     params_of,
@@ -160,7 +163,6 @@ class Stepper:
         self.exchange = exchange
         self.home = home
         self.kernels = Kernels()
-        self.bins = Bins()
         self.last_overflow: list[NonFiniteGrad] = []
         self._locate_overflow = config.locate_overflow
         self._meter_every = config.underflow_every
@@ -232,12 +234,12 @@ class Stepper:
                 counting = self._counting(book, scale.device, None)
                 flags: Flags = {}
                 inv = self.kernels.inverse(scale)
-                bins = self._check_local(groups, {}, scale.device, inv, flags, counting)
+                reading = self._check_local(groups, {}, scale.device, inv, flags, counting)
             pending = book.pending
             pending.records.extend(to_check)
             pending.flags.extend(flags.values())
             pending.has_elements = pending.has_elements or has_elements
-            pending.bins.extend([] if bins is None else [bins])
+            pending.readings.append(reading)
             for record in to_check:
                 record.stage = Stage.UNSCALED
 
@@ -265,12 +267,12 @@ class Stepper:
             counting = self._counting(book, device, None)
             has_scale = not self.home.unconfirmed
             has_elements = has_elements or checked_has_elements
-            ballot = self._ballot(book, device, has_elements, has_scale, False, counting)
+            ballot = self._ballot(book, device, has_elements, has_scale, None, counting)
             inv = self.kernels.inverse(scale) if unscale else None
             flags = {ballot.skip.device: ballot.skip}
             unscaling = inv if has_scale else None  # unconfirmed: check now, unscale after
-            bins = self._check_local(to_unscale, to_check, device, unscaling, flags, counting)
-            verdict = self._exchange(book, ballot, flags, bins, caller, None, [*unscale, *check])
+            reading = self._check_local(to_unscale, to_check, device, unscaling, flags, counting)
+            verdict = self._exchange(book, ballot, flags, reading, caller, None, [*unscale, *check])
             if not has_scale and inv is not None:  # the group confirmed a scale: unscale now
                 self.kernels.multiply_(to_unscale, inv)
             for record in unscale:
@@ -295,15 +297,10 @@ class Stepper:
                 self._warned = warn_plain_replicas_assumed(request.replicas, world_size)
             counting = scale is not None and self._counting(book, device, norm_type)
             has_scale = scale is None or not self.home.unconfirmed
-            ballot = self._ballot(
-                book, device, has_elements, has_scale, True, counting, scale is not None
-            )
+            ballot = self._ballot(book, device, has_elements, has_scale, norm_type, counting, scale)
             unscaled = None if request.scaled else scale  # its gradients' peak is times the scale
-            bins = (
-                self.bins.of((norms,), device, unscaled, counting)
-                if ballot.bins is not None
-                else None
-            )
+            wanted = scale is not None and (counting or self.home.host.policy.fit)
+            reading = self._read((norms,), device, unscaled, counting) if wanted else None
             inv = kernels.inverse(scale) if request.scaled and scale is not None else None
             # The norms' check raises the ballot's own slot (no kernel of its own) where a
             # non-finite norm means a non-finite element; otherwise the elements are checked.
@@ -315,7 +312,7 @@ class Stepper:
             )
             if inv is not None and not exact:
                 kernels.check_(norms, None, flags)
-            verdict = self._exchange(book, ballot, flags, bins, "clip_grad_norm_", norm_type, [])
+            verdict = self._exchange(book, ballot, flags, reading, "clip_grad_norm_", norm_type, [])
             total = cast(torch.Tensor, verdict.total_norm)  # exchanged with the flags
             kernels.clip_(norms, request.max_norm, total, inv, verdict.flags[Flag.SKIP])
         if scale is not None and request.scaled:
@@ -330,17 +327,31 @@ class Stepper:
         inv_scale: torch.Tensor | None,
         flags: Flags,
         counting: bool,
-    ) -> torch.Tensor | None:
-        """The local check, the same for an agreement and for `unscale_`'s deferred one: the
-        bins of the still-scaled gradients, where the fit or the meter wants them; then one
-        fused check per group of `unscale`, which also multiplies by `inv_scale` (if given),
-        and of `check`, raising `flags`."""
+    ) -> Reading | None:
+        """The local check, the same for an agreement and for `unscale_`'s deferred one: what
+        the fit and the meter read of the still-scaled gradients, where they want it; then one
+        fused check per group of `unscale`, which also multiplies by `inv_scale` (if given), and
+        of `check`, raising `flags`."""
         wanted = counting or self.home.host.policy.fit
-        bins = self.bins.of((unscale, check), device, None, counting) if wanted else None
+        reading = self._read((unscale, check), device, None, counting) if wanted else None
         self.kernels.check_(unscale, inv_scale, flags)
         if check:
             self.kernels.check_(check, None, flags)
-        return bins
+        return reading
+
+    def _read(
+        self,
+        groups: tuple[GradGroups | NormGroups, ...],
+        device: torch.device,
+        scale: torch.Tensor | None,
+        counting: bool,
+    ) -> Reading:
+        """What the fit and the meter read of `groups` (times `scale`, for gradients unscaled
+        already): the largest |gradient| where the fit wants it, the counts on the meter's
+        steps (`shardscale._bins`)."""
+        fit = self.home.host.policy.fit
+        largest = peak(groups, device, scale) if fit else None
+        return largest, counted(groups, device, scale) if counting else None
 
     def _counting(self, book: IterationBook, device: torch.device, norm_type: float | None) -> bool:
         """Whether this step is one of the meter's: every `underflow_every` steps (0: never),
@@ -355,19 +366,22 @@ class Stepper:
         device: torch.device,
         has_elements: bool,
         has_scale: bool,
-        with_norm: bool,
+        norm_type: float | None,
         counting: bool,
-        with_bins: bool = True,
+        scale: object = True,
     ) -> Ballot:
         """This rank's ballot: it holds gradient elements where `unscale_`'s pending checks did
-        too; bins where the fit or the meter wants them (and `with_bins`)."""
+        too; with the norm's share where `norm_type` travels, the fit's peaks (a slot per rank
+        under a SUM) where a `scale` is, the meter's counts on its steps."""
+        summed = counting or (norm_type is not None and not math.isinf(norm_type))
+        fit = scale is not None and self.home.host.policy.fit
         return self.exchange.ballot(
             device,
             has_elements=has_elements or book.pending.has_elements,
             has_scale=has_scale,
             loss_nonfinite=book.loss_nonfinite,
-            with_norm=with_norm,
-            with_bins=with_bins and (counting or self.home.host.policy.fit),
+            with_norm=norm_type is not None,
+            peaks=(self.exchange.world_size if summed else 1) if fit else 0,
             counted=counting,
         )
 
@@ -376,21 +390,19 @@ class Stepper:
         book: IterationBook,
         ballot: Ballot,
         flags: Flags,
-        bins: torch.Tensor | None,
+        reading: Reading | None,
         caller: str,
         norm_type: float | None,
         records: list[OptimizerRecord],
     ) -> Verdict:
         """The one collective on `ballot`, with this rank's `flags` on other devices than the
-        ballot's and those of `unscale_`'s pending checks; its bins are this check's `bins` and
-        the pending ones, added up (or raised). Then the scale is confirmed where the ballot had
-        none, and the verdict goes to `records` and the pending ones, whose overflow is located
-        where asked."""
+        ballot's and those of `unscale_`'s pending checks, and what the fit and the meter read
+        (this check's `reading` and the pending ones'). Then the scale is confirmed where the
+        ballot had none, and the verdict goes to `records` and the pending ones, whose overflow
+        is located where asked."""
         pending, book.pending = book.pending, PendingCheck()
-        if ballot.bins is not None:
-            parts = [*([] if bins is None else [bins]), *pending.bins]
-            added = torch.stack([move(part, ballot.bins.device) for part in parts]).sum(0)
-            ballot.bins.copy_(added if ballot.counted else added > 0)
+        if ballot.peaks is not None or ballot.bins is not None:
+            _fill_readings(ballot, [reading, *pending.readings])
         others = pending.flags  # and this rank's flags on other devices than the ballot's
         for device, flag in flags.items():
             if device != ballot.skip.device:
@@ -398,9 +410,11 @@ class Stepper:
         verdict = self.exchange.agree(
             ballot, others, step=book.step, caller=caller, norm_type=norm_type
         )
-        if ballot.bins is not None:  # now the group's
-            verdict.peak = move(self.bins.peak(ballot.bins), ballot.device)
-            verdict.counts = move(ballot.bins, ballot.device) if ballot.counted else None
+        if ballot.peaks is not None:  # now the group's: the largest slot's, the only one of a MAX
+            largest = ballot.peaks[0] if len(ballot.peaks) == 1 else ballot.peaks.amax()
+            verdict.peak = move(power_above(largest), ballot.device)
+        if ballot.bins is not None:
+            verdict.counts = move(ballot.bins, ballot.device)
         if not ballot.has_scale:  # the group confirmed that some rank scaled
             self.home.confirm()
         self._agreed_once = True
@@ -431,6 +445,21 @@ class Stepper:
         optimizers, losses = map(_OPTIMIZER, records), book.losses if forward else []
         self.last_overflow = locate_optimizers(optimizers, self.exchange, book.step, losses)
         log_located(book.step, self.last_overflow, forward)
+
+
+def _fill_readings(ballot: Ballot, readings: list[Reading | None]) -> None:
+    """Write this rank's readings into the ballot: the largest peak into its peak slot, the
+    counts added up into the bins (those a ballot without bins has no place for are dropped:
+    an inf-norm clip's, where the meter waits for the next of its steps)."""
+    peaks = [r[0] for r in readings if r is not None and r[0] is not None]
+    slot = ballot.peak_slot
+    if slot is not None and len(peaks) == 1:
+        slot.copy_(peaks[0])
+    elif slot is not None and peaks:
+        torch.amax(torch.stack([move(p, slot.device) for p in peaks]), 0, out=slot)
+    counts = [r[1] for r in readings if r is not None and r[1] is not None]
+    if ballot.bins is not None and counts:
+        torch.sum(torch.stack([move(c, ballot.bins.device) for c in counts]), 0, out=ballot.bins)
 
 
 def _step_target(

@@ -385,6 +385,8 @@ def _cases() -> dict[str, Case]:
             ("`max_consecutive_skips=5`", Case(flavour, {"max_consecutive_skips": 5})),
             ("a stats hook", Case(flavour, hook=True)),
             ("`verify_every=1` (world size 1)", Case(flavour, {"verify_every": 1})),
+            ('`scale_policy="fit"`', Case(flavour, {"scale_policy": "fit"})),
+            ("a meter step (`underflow_every=1`)", Case(flavour, {"underflow_every": 1})),
             ("one CPU-resident gradient", Case(flavour, cpu_grads=1)),
             (
                 "one CPU-resident gradient + `clip_grad_norm_`",
