@@ -153,7 +153,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
             fp16's range, up or down, in one update; the gradients' largest magnitude travels
             in the same one collective (one more read pass over them); overflows still back off
             (and widen the margin), and the floor, ceiling, hysteresis and forward-overflow hold
-            apply as before (docs/scale-policies.md).
+            apply as before (docs/scale-policies.md). It fits the parameters' gradients: where
+            they are fp32 (autocast over fp32 weights) and larger than the backward's fp16
+            activation gradients, it holds a lower scale than those need (on the example GPT
+            2^14 where 2^16 never overflowed; docs/scale-policies.md, "The fit on the GPT job").
         underflow_every: every this many steps, measure how much of the gradient sits below
             fp16's normal range at the current scale: [`stats`][stats] `underflow` (the fraction
             of the non-zero gradient elements whose scaled magnitude is below 2^-14: subnormal

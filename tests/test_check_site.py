@@ -8,28 +8,16 @@ the unit tests.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).parents[1] / ".ci" / "check_site.py"
+from tests import ci_scripts
 
-
-def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("check_site", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-check_site = _load_script()
+SCRIPT = ci_scripts.CI / "check_site.py"
+check_site = ci_scripts.load("check_site")
 
 # One documented class with a method, as mkdocstrings renders it.
 API_PAGE = """<!doctype html><html><head><title>API</title>

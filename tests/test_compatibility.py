@@ -7,27 +7,13 @@ asks git); it is exercised by ``launch/test.sh`` with ``REPORTS`` set, not here.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
-from types import ModuleType
 
-SCRIPT = Path(__file__).parents[1] / ".ci" / "compatibility.py"
+from tests import ci_scripts
 
-
-def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("compatibility", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-compatibility = _load_script()
+compatibility = ci_scripts.load("compatibility")
 
 # What pytest --junitxml writes (pytest 8), trimmed to the attributes the script reads.
 REPORT = """<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests">

@@ -9,6 +9,7 @@ the power of two just above each of the last 16 steps' largest |gradient|.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pytest
@@ -349,6 +350,41 @@ def test_policies_bench_runs_and_the_fit_arrives_from_a_cold_start(tmp_path: Any
     assert fit["nan"]["error"] is not None
     assert torchs["nan"]["error"] is None
     assert all(row["nan"]["weights_finite"] for row in rows.values())
+
+
+@pytest.mark.torchrun
+@pytest.mark.xdist_group("torchrun")
+def test_fit_on_gpt_rig_runs_every_policy_and_measures_the_activations(tmp_path: Any) -> None:
+    """`launch/rigs/fit_on_gpt.py` (docs/scale-policies.md#the-fit-on-the-gpt-job), shortened:
+    every policy runs the GPT job, fp32 is its own reference, and each fp16 run's probe names
+    real modules of the model with fractions, not an empty watch."""
+    import json
+
+    from tests.test_train import ROOT, torchrun
+
+    out = tmp_path / "fit_on_gpt.json"
+    script = str(ROOT / "launch" / "rigs" / "fit_on_gpt.py")
+    torchrun(2, "--steps", "6", "--seeds", "1", "--json", str(out), script=script)
+    records = {record["policy"]: record for record in json.loads(out.read_text())}
+    assert sorted(records) == sorted(
+        ["torch.amp.GradScaler", "shardscale (interval)", 'shardscale, scale_policy="fit"', "fp32"]
+    )
+    assert all(len(record["scales"]) == 6 for record in records.values())
+    assert all(math.isfinite(record["held_out_loss"]) for record in records.values())
+    assert records["fp32"]["final_scale"] == 1.0
+    # why the fit holds its scale: its margin and the largest gradient it saw, in range
+    fit = records['shardscale, scale_policy="fit"']
+    assert fit["fit_margin"] >= 0
+    assert 0.0 < fit["fit_window_peak"] < 2.0**16
+    assert fit["final_scale"] * fit["fit_window_peak"] * 2.0 ** fit["fit_margin"] <= 2.0**16
+    assert "fit_margin" not in records["shardscale (interval)"]
+    # the GPT's own module names (launch/job/lm_model.py), no wrapper's prefix
+    own_name = re.compile(r"(token_embedding|position_embedding|norm|head|blocks\.\d+(\.\w+)*)")
+    for record in records.values():
+        assert record["worst_activations"], record["policy"]
+        for name, share, _ in record["worst_activations"]:
+            assert own_name.fullmatch(name), name
+            assert 0.0 <= share <= 1.0
 
 
 def test_fit_resumes_through_dcp_at_another_world_size_and_the_ranks_agree(tmp_path: Any) -> None:

@@ -19,8 +19,10 @@ run's of the same seed; and on one more backward (a held-out batch, not stepped)
 the policy ends at: the weight gradients' underflow, counted here as the meter defines it (of the
 non-zero elements in 2^-64 ... 2^64, scaled, those below 2^-14: an independent count, every
 rank's), and the three modules whose activation gradients lose the most to fp16's range
-(`shardscale.watch_activations`). One table, the mean and the spread over the seeds; optionally
-a JSON file of every run and a plot of the scale against the step (the first seed).
+(`shardscale.watch_activations`); for the fit, its learned margin and the largest gradient of
+its window at the end. One table, the mean and the spread over the seeds (the worst module seed
+by seed); optionally a JSON file of every run and a plot of the scale against the step (the
+first seed).
 """
 
 from __future__ import annotations
@@ -156,7 +158,20 @@ def run(policy: str, seed: int, steps: int, device: torch.device) -> dict[str, A
         "held_out_loss": held_out,
         "scales": scales,
         **_probe(job, batches, final_scale),
+        **_fit_state(job.scaler),
     }
+
+
+def _fit_state(scaler: Any) -> dict[str, Any]:
+    """The fit's learned margin (in powers of two) and the largest gradient of its window, at
+    the end: why it holds the scale it holds."""
+    if not isinstance(scaler, shardscale.ShardedGradScaler):
+        return {}
+    state = scaler.state_dict()
+    if state.get("scale_policy") != "fit":
+        return {}
+    window = [float(peak) for peak in state["_fit_window"]]
+    return {"fit_margin": int(state["_fit_margin"]), "fit_window_peak": max(window)}
 
 
 def _cell(values: list[float], form: str) -> str:
@@ -173,14 +188,15 @@ def table(records: list[dict[str, Any]], steps: int, seeds: int) -> str:
     lines = [
         f"| policy (GPT job, {steps} steps, {seeds} seeds) | skipped steps | steps to a settled "
         "scale | final scale | held-out loss vs fp32 | weight gradients below 2^-14 | the worst "
-        "activation gradients (fraction below 2^-14) |",
+        "activation gradient, seed by seed (its fraction below 2^-14) |",
         "|---|---:|---:|---:|---:|---:|---|",
     ]
     for policy in POLICIES:
         mine = [r for r in records if r["policy"] == policy]
         gaps = [r["held_out_loss"] / fp32[r["seed"]] - 1.0 for r in mine]
         scales = sorted({f"2^{math.log2(r['final_scale']):g}" for r in mine})
-        worst = "; ".join(f"{name} {share:.2%}" for name, share, _ in mine[0]["worst_activations"])
+        by_seed = sorted(mine, key=lambda record: record["seed"])
+        worst = "; ".join("{} {:.2%}".format(*r["worst_activations"][0][:2]) for r in by_seed)
         lines.append(
             f"| {policy} | {_cell([r['skips'] for r in mine], '{:.1f}')} "
             f"| {_cell([r['settled'] for r in mine], '{:.0f}')} | {', '.join(scales)} "
