@@ -154,6 +154,14 @@ def _rank_watch(rank: int, world_size: int, kind: str) -> list[tuple[Any, ...]]:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         model = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+    elif kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in model.blocks:  # type: ignore[attr-defined]
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     elif kind == "checkpointed":
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
             checkpoint_wrapper,
@@ -166,7 +174,7 @@ def _rank_watch(rank: int, world_size: int, kind: str) -> list[tuple[Any, ...]]:
     return [(r.name, r.num_underflowing, r.num_nonzero, r.num_zeros) for r in records]
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp1", "checkpointed"])
+@pytest.mark.parametrize("kind", ["ddp", "fsdp1", "fsdp2", "checkpointed"])
 def test_watch_names_the_users_modules_through_wrappers_alike_on_every_rank(kind: str) -> None:
     rank0, rank1 = run_ranks(_rank_watch, 2, kind)
     assert rank0 == rank1  # one gather: every rank holds every rank's counts
