@@ -94,10 +94,7 @@ class Kernels:
         to float32 as it is stored, exactly `scale.double().reciprocal().float()`.
         """
         out = torch.empty((), dtype=torch.float32, device=scale.device)
-        one = self._ones.get((scale.device, torch.float64))  # made once, by one()
-        if one is None:
-            one = self.one(scale.device, torch.float64)
-        return torch.div(one, scale, out=out)
+        return torch.div(self.one(scale.device, torch.float64), scale, out=out)
 
     def check_(self, groups: Groups, inv_scale: torch.Tensor | None, flags: Flags) -> Flags:
         """Multiply every gradient by `inv_scale` (if given) and flag the devices with inf/NaN.

@@ -128,7 +128,7 @@ def unscale_grads(
     Raises:
         ValueError: `allow_fp16` is False and a gradient is float16 (torch's words).
     """
-    params = tuple(optimizer_params(optimizer))
+    params = tuple(optimizer_params((optimizer,)))
     if not allow_fp16 and any(p.grad is not None and p.grad.dtype == torch.float16 for p in params):
         raise ValueError("Attempting to unscale FP16 gradients.")
     with torch.no_grad():

@@ -186,17 +186,15 @@ class DeviceState:
         if verdict.counts is not None:  # counted this step, read at the scale not moved yet
             reading = meter_reading(verdict.counts.double(), self.scale, self.counters[Count.STEPS])
             self.meter.copy_(reading)
+        trackers = (self.growth_tracker, self.hysteresis_tracker)
         if manual is not None:
             self.scale.copy_(manual)
         elif policy.fit:  # the fit's bound, by the scale the gradients carried
             peak = verdict.peak if verdict.peak is not None else self.scale.new_zeros(())
             policy.fit_(self.scale, self.hysteresis_tracker, self.fit, flags, peak / self.scale)
         elif clean:
-            policy.update_(
-                self.scale, self.growth_tracker, self.hysteresis_tracker, flags[0], clean=True
-            )
+            policy.update_(self.scale, *trackers, flags[Flag.SKIP], clean=True)
         else:  # a gradient overflow backs off; a forward one holds
-            trackers = (self.growth_tracker, self.hysteresis_tracker)
             policy.update_(self.scale, *trackers, add[Count.BACKOFF], flags[Flag.FORWARD])
         if not clean and policy.dynamic:  # the floor streak goes on only at the floor
             self.counters[Count.FLOOR_STREAK].mul_(self.scale <= policy.min_scale)
@@ -358,16 +356,10 @@ class PendingCheck:
     readings: list[Reading | None] = field(default_factory=list)
 
 
-def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    """Every parameter of every param group of `optimizer`, in order."""
-    for group in optimizer.param_groups:
-        yield from group["params"]
-
-
-def params_of(records: Iterable[OptimizerRecord]) -> Iterator[torch.Tensor]:
-    """The parameters of the records' optimizers, in order."""
-    for record in records:
-        for group in record.optimizer.param_groups:
+def optimizer_params(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
+    """Every parameter of every param group of each of `optimizers`, in order."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
             yield from group["params"]
 
 
@@ -480,7 +472,7 @@ class IterationBook:
         done: set[int] = set()  # the parameters unscaled already
         for record in self.records.values():
             if record.stage is not Stage.READY:
-                done.update(map(id, params_of((record,))))
+                done.update(map(id, optimizer_params((record.optimizer,))))
         if ids & done and not ids <= done:
             raise RuntimeError(
                 "clip_grad_norm_() got parameters of which some, but not all, were already "
@@ -499,9 +491,10 @@ class IterationBook:
         """
         if record.stage is not Stage.READY:
             return False
-        if not clipped.param_ids.issuperset(map(id, params_of((record,)))):
+        own = (record.optimizer,)
+        if not clipped.param_ids.issuperset(map(id, optimizer_params(own))):
             with no_torch_function_subclass():  # DTensor .grad: 0.1 us, not 0.25
-                mine = {id(p) for p in params_of((record,)) if p.grad is not None}
+                mine = {id(p) for p in optimizer_params(own) if p.grad is not None}
             covered = mine <= clipped.param_ids
             if mine & clipped.param_ids and not covered:
                 raise RuntimeError(

@@ -54,7 +54,7 @@ from shardscale._state import (
     Reading,
     ScaleHome,
     Stage,
-    params_of,
+    optimizer_params,
 )
 
 # What `unscale_`/`step` accept: an optimizer (or a container of several), or a list.
@@ -229,7 +229,9 @@ class Stepper:
             self.agree(book, scale, "unscale_", unscale=to_check)
         elif to_check:
             with torch.no_grad():
-                groups, has_elements = self._walk.groups(params_of(to_check))
+                groups, has_elements = self._walk.groups(
+                    optimizer_params(map(_OPTIMIZER, to_check))
+                )
                 # the meter's step: an inf-norm clip may still undo it
                 counting = self._counting(book, scale.device, None)
                 flags: Flags = {}
@@ -262,8 +264,10 @@ class Stepper:
         """
         device = scale.device
         with torch.no_grad():
-            to_unscale, has_elements = self._walk.groups(params_of(unscale))
-            to_check, checked_has_elements = self._walk.groups(params_of(check))
+            to_unscale, has_elements = self._walk.groups(optimizer_params(map(_OPTIMIZER, unscale)))
+            to_check, checked_has_elements = self._walk.groups(
+                optimizer_params(map(_OPTIMIZER, check))
+            )
             counting = self._counting(book, device, None)
             has_scale = not self.home.unconfirmed
             has_elements = has_elements or checked_has_elements
@@ -494,7 +498,7 @@ def _step_target(
             continue
         own = getattr(leaf, "grad_scale", None)
         grad_scale = (scale if own is None else scale * own) if record.stage is Stage.READY else own
-        devices = set(map(_DEVICE, params_of((record,))))
+        devices = set(map(_DEVICE, optimizer_params((leaf,))))
         if len(devices) == 1:
             device = devices.pop()
             key = (device, id(grad_scale))

@@ -491,7 +491,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if not self._enabled:
             request = ClipRequest(params, max_norm, norm_type, replicas, scaled=False)
             return cast(torch.Tensor, self._stepper.clip(self._book, None, request).total_norm)
-        scaled = self._book.begin_clip(params)  # else unscale_() ran for these: clip them as are
+        # False: unscale_() ran for these already, and they are clipped as they are
+        scaled = self._book.begin_clip(params)
         request = ClipRequest(params, max_norm, norm_type, replicas, scaled)
         scale = self._loss_scale("clip_grad_norm_", params)
         return cast(torch.Tensor, self._stepper.clip(self._book, scale, request).total_norm)
@@ -574,7 +575,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if isinstance(source, list) and source and isinstance(source[0], torch.Tensor):
             params: Iterable[torch.Tensor] = source
         else:
-            params = (p for leaf in leaves(source) for p in optimizer_params(leaf))
+            params = optimizer_params(leaves(source))
         return self._home.for_gradients(grads_device(params)).scale
 
     # ------------------------------------------------------------------ what happened
