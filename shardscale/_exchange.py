@@ -128,7 +128,8 @@ class Verdict:
             every rank when any rank's gradients overflowed.
         read: What [`skipped()`][skipped] read on the host; None: not read (a fused step's verdict).
         peak: The power of two just above the group's largest |scaled gradient| (float32 scalar; 0
-            where none was finite and non-zero), where bins travelled (`shardscale._bins`).
+            where none was finite and non-zero), where the fit's peaks travelled
+            (`shardscale._bins`).
         counts: The group's non-zero |scaled gradient| elements by bin (float32; the meter's steps).
     """
 

@@ -5,15 +5,16 @@ stay non-finite there, the warning for a long streak of non-finite losses.
 Invariant: reporting adds no host synchronisation to a step, but the alarms' while a streak of
 skipped steps is under way. The numbers live on the device (`DeviceState`); after each `update()`
 they are packed into one small tensor and copied to the host.
-On the CPU that copy is the read. On a GPU it is started without waiting (into one of two pinned
-buffers taken in turn, on the current stream of the state's own device, with an event recorded
-there) and delivered at the next `update()` (or when
+On the CPU that copy is the read. On a GPU it is started without waiting (into pinned memory from
+torch's caching host allocator, on the current stream of the state's own device, with an event
+recorded there) and delivered at the next `update()` (or when
 [`ShardedGradScaler.stats`][shardscale.ShardedGradScaler.stats] is read), by when the device has
 long finished it: hooks, log lines and the `max_consecutive_skips` check then run one step late, and
 cost no sync (the wait on the previous step's event lets the host run at most one step ahead while
 someone listens).
 
-Nobody listening (no hook, no limit, the `"shardscale"` logger below INFO) costs nothing.
+Nobody listening (no hook, no limit, the `"shardscale"` logger below INFO) costs nothing but
+the alarms' watch below.
 
 The alarms watch two streaks the device counts (`Count.FLOOR_STREAK`, `Count.LOSS_STREAK`),
 after every step whose outcome the host did not read (a plain step it read as clean ends both

@@ -77,21 +77,29 @@ def _random_policy(rng: random.Random) -> tuple[float, ScalePolicy]:
     )
 
 
+def _on_device(state: ScaleState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The interval rule's device tensors for `state`: scale, growth and hysteresis trackers."""
+    scale = torch.tensor(state.scale)
+    growth = torch.tensor(state.growth_tracker, dtype=torch.int32)
+    return scale, growth, torch.tensor(state.hysteresis_tracker, dtype=torch.int32)
+
+
+def _read(scale: torch.Tensor, growth: torch.Tensor, hysteresis: torch.Tensor) -> ScaleState:
+    return ScaleState(scale.item(), int(growth.item()), int(hysteresis.item()))
+
+
 def test_policy_update_matches_reference_bit_for_bit() -> None:
     """Both device paths (hysteresis 1: torch's kernel; else tensor maths) equal ``next``."""
     for trial in range(300):
         rng = random.Random(trial)
         init_scale, policy = _random_policy(rng)
         state = policy.initial_state(init_scale)
-        scale = torch.tensor(state.scale)
-        growth = torch.tensor(0, dtype=torch.int32)
-        hysteresis = torch.tensor(state.hysteresis_tracker, dtype=torch.int32)
+        scale, growth, hysteresis = _on_device(state)
         for step in range(40):
             found_inf = rng.random() < 0.35
             state = policy.next(state, found_inf)
             policy.update_(scale, growth, hysteresis, torch.tensor(float(found_inf)))
-            device = ScaleState(scale.item(), int(growth.item()), int(hysteresis.item()))
-            assert device == state, f"trial {trial} step {step}: {policy}"
+            assert _read(scale, growth, hysteresis) == state, f"trial {trial} step {step}: {policy}"
 
 
 def test_policy_forward_overflow_holds_everything_under_hysteresis_bit_for_bit() -> None:
@@ -102,17 +110,14 @@ def test_policy_forward_overflow_holds_everything_under_hysteresis_bit_for_bit()
         rng = random.Random(1000 + trial)
         init_scale, policy = _random_policy(rng)
         state = policy.initial_state(init_scale)
-        scale = torch.tensor(state.scale)
-        growth = torch.tensor(0, dtype=torch.int32)
-        hysteresis = torch.tensor(state.hysteresis_tracker, dtype=torch.int32)
+        scale, growth, hysteresis = _on_device(state)
         for step in range(40):
             found_inf = rng.random() < 0.35
             forward = found_inf and rng.random() < 0.4
             state = policy.next(state, found_inf, forward)
             gradients = torch.tensor(float(found_inf and not forward))
             policy.update_(scale, growth, hysteresis, gradients, torch.tensor(float(forward)))
-            device = ScaleState(scale.item(), int(growth.item()), int(hysteresis.item()))
-            assert device == state, f"trial {trial} step {step}: {policy}"
+            assert _read(scale, growth, hysteresis) == state, f"trial {trial} step {step}: {policy}"
 
 
 def test_policy_hysteresis_tolerates_then_backs_off_and_replenishes_on_growth() -> None:
@@ -199,7 +204,7 @@ def test_policy_fit_update_matches_reference_bit_for_bit() -> None:
             seen = 0.0 if found_inf or rng.random() < 0.1 else 2.0 ** rng.randint(-30, 10)
             state = policy.next(state, found_inf, forward, seen)
             flags = torch.tensor([float(found_inf), float(forward)])
-            policy.fit_(scale, hysteresis, fit, flags, torch.tensor(seen) * 1.0)
+            policy.fit_(scale, hysteresis, fit, flags, torch.tensor(seen))
             margin, streak, *window = fit.tolist()
             device = ScaleState(
                 scale.item(), 0, int(hysteresis.item()), int(margin), tuple(window), int(streak)

@@ -590,8 +590,9 @@ def _note_step(
     forward: bool,
     scaler: ShardedGradScaler,
 ) -> None:
-    """Rank 0's line for a step that reran its batch or was skipped: why, the scale before and
-    after, and where the overflow was located. ``forward``: the step's loss was non-finite."""
+    """Rank 0's lines for a step: the watch's worst modules where it watched the step; a rerun
+    of the batch, or a skip: why, the scale before and after, and where the overflow was
+    located. ``forward``: the step's loss was non-finite."""
     step, scale = record["step"], record["scale"]
     if record.get("activations"):
         worst = [f"{name} {share:.2%} ({dtype})" for name, share, dtype in record["activations"]]
