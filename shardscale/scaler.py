@@ -304,16 +304,54 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 f"scale() got a tensor on {outputs.device}, but this scaler was built with "
                 f"device={device_type!r}; pass the loss's device, or leave device unset"
             )
+        loss_scale = self._iteration_scale(outputs.device)
+        self._book.note_loss(outputs, into=None if self._captured is None else self._captured[1])
+        return (outputs * move(loss_scale, outputs.device)).to(outputs.dtype)
+
+    def _iteration_scale(self, device: torch.device) -> torch.Tensor:
+        """The iteration's copy of the live scale, made at its first loss (on `device`)."""
         book = self._book
         if book.loss_scale is None:
             # A copy of the live scale, once per iteration: the iteration's gradients are
             # divided by it even where update() moves the live one before they are stepped
             # (the async scaler), and update() never modifies a tensor autograd saved.
-            live = self._home.at(outputs.device, loss=True).scale
+            live = self._home.at(device, loss=True).scale
             captured = self._captured
             book.loss_scale = live.clone() if captured is None else captured[0].copy_(live)
-        book.note_loss(outputs, into=None if self._captured is None else self._captured[1])
-        return (outputs * move(book.loss_scale, outputs.device)).to(outputs.dtype)
+        return book.loss_scale
+
+    def loss_scale_tensor(self, device: str | torch.device | None = None) -> torch.Tensor:
+        """The scale this iteration's losses are multiplied by: a float32 scalar tensor, read
+        without a host synchronisation.
+
+        For a loss whose gradient enters the backward through a custom autograd function, not
+        through `scale(loss)` (a MoE auxiliary loss, multi-token prediction: Megatron's
+        `MoEAuxLossAutoScaler.set_loss_scale`): multiply that gradient by this tensor and it
+        carries the main loss's scale, which [`step()`][step] divides out with the rest. It is
+        the iteration's own copy, the one [`scale()`][scale] multiplies by (made now if no loss
+        was scaled yet), so `update()` never changes it under a backward that saved it. A rank
+        that calls it counts as one that scaled a loss (a pipeline stage whose MoE layers
+        inject their auxiliary gradient).
+
+        Args:
+            device: where the tensor is wanted; None: where the scale lives (the first loss's
+                device, or where `device` puts it the first time).
+
+        Raises:
+            ValueError: `device` is None and no loss was scaled yet on this rank (nothing says
+                where the scale lives), or the scaler is disabled and `device` is None.
+        """
+        if device is None and self._home.device is None:
+            raise ValueError(
+                "loss_scale_tensor() needs device= before the first scale() on this rank: "
+                "nothing says yet where the scale lives"
+            )
+        target = torch.device(device) if device is not None else None
+        if not self._enabled:
+            return torch.ones((), dtype=torch.float32, device=target)
+        home = self._home.device
+        scale = self._iteration_scale(home.scale.device if home is not None else target)
+        return scale if target is None else move(scale, target)
 
     def _scale_iterable(self, outputs: Iterable[Any]) -> Iterable[Any]:
         """`scale()` of (nested) lists and tuples of tensors, and of other iterables, lazily."""
