@@ -72,6 +72,15 @@ def to_state_dict(state: ScalerState) -> dict[str, Any]:
     }
 
 
+def state_numbers(state: ScalerState) -> dict[str, float]:
+    """The state dict as one number per name, to compare across ranks (`verify_agreement`):
+    the fit's window entry by entry, the policy's name as 1.0 for the fit."""
+    fields = to_state_dict(state)
+    window = {f"_fit_window[{i}]": v for i, v in enumerate(fields.pop("_fit_window"))}
+    fields["scale_policy"] = fields["scale_policy"] == "fit"
+    return {name: float(value) for name, value in (fields | window).items()}
+
+
 def _number(state_dict: Mapping[str, Any], key: str, kind: type[int] | type[float]) -> Any:
     """`state_dict[key]` as an int or a float (a one-element tensor, an integral float taken)."""
     value = state_dict[key]

@@ -6,14 +6,19 @@ Public code reads `torch.amp.GradScaler`'s private members: skip detection sums
 deprecated `step(grad_scaler=...)` call `_check_inf_per_device`. This module answers those
 reads for a [`ShardedGradScaler`][shardscale.ShardedGradScaler].
 
-Invariant: every view answers with what the group AGREED (the flag every rank holds alike, after
-the step's one collective), never a rank's local verdict; and a view costs nothing until it is
-read: nothing here runs on a step that nobody reads it (no kernel, no host read, no dict built).
+Invariant: a read never communicates, and a view costs nothing until it is read: nothing here
+runs on a step that nobody reads it (no kernel, no host read, no dict built, no collective).
+Once the group has agreed on an optimizer's gradients (in `step()`, `clip_grad_norm_()`, or a
+scaler's first `unscale_()`) every view answers with what it AGREED, the flag every rank holds
+alike. Between an `unscale_()` and the agreement it left for the next call, the only flag there
+is without a collective is this rank's own: the views answer it, as `torch.amp.GradScaler`'s do
+(its flags are always a rank's own), and warn that it is not the group's (docs/migration.md).
 A view that cannot be written as in torch refuses the write with an error naming what to use.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NoReturn
 
@@ -21,7 +26,8 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from shardscale._check import Flags, Kernels
-from shardscale._exchange import Verdict
+from shardscale._errors import ShardScaleWarning
+from shardscale._exchange import combined
 from shardscale._grads import GradWalk
 from shardscale._state import IterationBook, OptimizerRecord, optimizer_params
 
@@ -30,6 +36,14 @@ GRAD_SCALER_WARNING = (
     "GradScaler is going to stop passing itself as a keyword argument to the passed "
     "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
     "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly."
+)
+
+LOCAL_FLAGS_WARNING = (
+    "scaler._found_inf_per_device() / _per_optimizer_states read between unscale_() and the "
+    "call that agrees on it (step(), clip_grad_norm_() or update()): shardscale agrees in that "
+    "call's one collective, and a read never communicates, so this is THIS rank's own flag "
+    "(torch.amp.GradScaler's value), which may differ between ranks. Do not branch on it in "
+    "ways that change what ranks do; read it after step() for the flag every rank agreed on."
 )
 
 _READ_ONLY = (
@@ -50,30 +64,24 @@ class ReadOnlyDict(dict[Any, Any]):
 
 
 class OptimizerStates(Mapping[Any, ReadOnlyDict]):
-    """`_per_optimizer_states`: per `id(optimizer)`, its stage and its agreed flag.
+    """`_per_optimizer_states`: per `id(optimizer)`, its stage and its flag (module docstring).
 
     Like torch's `defaultdict`, an optimizer not seen in the iteration reads
     `{"stage": OptState.READY, "found_inf_per_device": {}}` (without being inserted). The view
     holds the iteration it was taken in: after `update()` the scaler starts a new one (and
     `scaler._per_optimizer_states` reads it, empty), as torch replaces its dict in
     `update()`; a view kept from before still reads the old iteration, as torch's old dict.
-
-    Reading an optimizer whose `unscale_()` left its agreement for the next `step()` runs
-    that agreement now (one collective, as torch's sharded `unscale_` runs at once): read it on
-    every rank, as every rank runs the same code.
     """
 
-    def __init__(self, book: IterationBook, settle: Callable[[IterationBook], None]) -> None:
+    def __init__(self, book: IterationBook) -> None:
         self._book = book
-        self._settle = settle
 
     def __getitem__(self, key: object) -> ReadOnlyDict:
         record = self._book.records.get(key) if isinstance(key, int) else None
         if record is None:  # torch's `_refresh_per_optimizer_state()`, not inserted
             return ReadOnlyDict(stage=OptState.READY, found_inf_per_device=ReadOnlyDict())
-        if any(r is record for r in self._book.pending.records):
-            self._settle(self._book)
-        return state_of(record)
+        stage = OptState[record.stage.name]
+        return ReadOnlyDict(stage=stage, found_inf_per_device=flags_of([record]))
 
     def get(self, key: object, default: Any = None) -> Any:
         """As `dict.get`: `default` for an optimizer not seen (no default state made)."""
@@ -94,15 +102,23 @@ class OptimizerStates(Mapping[Any, ReadOnlyDict]):
         return f"{type(self).__name__}({dict(self.items())!r})"
 
 
-def state_of(record: OptimizerRecord) -> ReadOnlyDict:
-    """torch's per-optimizer state for `record`: stage, and `{device: agreed flag}`."""
-    flags = found_inf_per_device(record.verdict)
-    return ReadOnlyDict(stage=OptState[record.stage.name], found_inf_per_device=flags)
-
-
-def found_inf_per_device(verdict: Verdict | None) -> ReadOnlyDict:
-    """`{device: agreed flag}` of `verdict`, as torch's states hold it (empty for None)."""
-    return ReadOnlyDict({} if verdict is None else {verdict.found_inf.device: verdict.found_inf})
+def flags_of(records: list[OptimizerRecord]) -> ReadOnlyDict:
+    """`{device: flag}` of `records`, as torch's states hold it: the agreed flag once the group
+    agreed; before, between `unscale_()` and its agreement, this rank's own (with a warning);
+    empty where none was checked."""
+    local = [record.local_flags for record in records if record.verdict is None]
+    if any(local):
+        warnings.warn(LOCAL_FLAGS_WARNING, ShardScaleWarning, stacklevel=3)
+    agreed = combined(record.verdict for record in records)
+    pieces = [flags for flags in local if flags]
+    if agreed is not None:
+        pieces.append({agreed.found_inf.device: agreed.found_inf})
+    merged: dict[torch.device, torch.Tensor] = {}
+    for piece in pieces:
+        for device, flag in piece.items():
+            known = merged.get(device)
+            merged[device] = flag if known is None else torch.maximum(known, flag)
+    return ReadOnlyDict(merged)
 
 
 def unscale_grads(
@@ -139,6 +155,21 @@ def unscale_grads(
                 flags[device] = found_inf.to(device=device, copy=True)
         Kernels().check_(groups, inv_scale, flags)
     return {device: flags[device] for device, _dtype in groups}
+
+
+def maybe_opt_step(
+    scaler: object,
+    optimizer: torch.optim.Optimizer,
+    optimizer_state: Mapping[str, Any],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """torch's `GradScaler._maybe_opt_step` (`ShardedGradScaler._maybe_opt_step` itself:
+    `scaler` is the scaler it is called on): step `optimizer` unless `optimizer_state`'s flags
+    say inf/NaN."""
+    if not any(bool(flag.item()) for flag in optimizer_state["found_inf_per_device"].values()):
+        return optimizer.step(*args, **kwargs)
+    return None
 
 
 def torch_view(instead: str) -> Callable[[Callable[[Any], Any]], Any]:

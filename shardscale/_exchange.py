@@ -75,6 +75,9 @@ _NO_GRADS = (
 # operation timeout" (not the "Timeout(ms)=..." NCCL prints in every work's name).
 _TIMED_OUT = re.compile(r"timed out|timeout(?!\s*\(ms\))", re.IGNORECASE)
 _BROKEN = re.compile(r"connection (reset|closed|refused)|broken pipe", re.IGNORECASE)
+# torch's own check of every collective (TORCH_DISTRIBUTED_DEBUG=DETAIL) found ranks issuing
+# different ones: they took different code paths, which no waiting fixes.
+_MISMATCH = re.compile(r"mismatch between collectives", re.IGNORECASE)
 
 
 # The ballot's slots, in the order they travel (see the module); the agreed flags of a
@@ -289,19 +292,20 @@ class Exchange:
         Its forward-overflow slot starts at 1 where `loss_nonfinite` (some loss of this
         iteration was inf or NaN: a bool scalar from `scale()`) is True, else at 0; the local
         check raises the skip slot itself ([`Ballot.skip`][Ballot.skip]). The two templates are
-        made once per device by this exchange, and die with it. `peaks`: how many slots the
-        fit's peaks take (1, or the world size under a SUM); `counted`: with the meter's 128
-        counts (a SUM).
+        made once per shape and device by this exchange, and die with it; by kernels alone, no
+        copy from the host, so that one first made while a CUDA graph captures the step (a
+        meter or clip step's shape) is legal there. `peaks`: how many slots the fit's peaks
+        take (1, or the world size under a SUM); `counted`: with the meter's 128 counts (a SUM).
         """
         key = (device, has_elements, has_scale, with_norm, peaks, counted)
         templates = self._templates.get(key)
         if templates is None:
-            ok = [float(has_elements), 0.0, 0.0, float(has_scale)] + [0.0] * with_norm
-            ok += [0.0] * (peaks + BINS * counted)
-            bad = [*ok[: Slot.FORWARD], 1.0, *ok[Slot.FORWARD + 1 :]]
-            templates = self._templates[key] = torch.tensor(
-                [ok, bad], dtype=torch.float32, device=self.comm_device(device)
-            )
+            size = Slot.NORM + with_norm + peaks + BINS * counted
+            templates = torch.zeros((2, size), dtype=torch.float32, device=self.comm_device(device))
+            templates[:, Slot.HAS_ELEMENTS].fill_(float(has_elements))
+            templates[:, Slot.SCALED].fill_(float(has_scale))
+            templates[1, Slot.FORWARD].fill_(1.0)  # the row of a non-finite loss
+            self._templates[key] = templates
         if loss_nonfinite is None:
             votes = templates[0].clone()
         else:
@@ -405,15 +409,20 @@ class Exchange:
                 f"step {step}: the scaler states of the {len(rows)} ranks differ: {details}"
             )
 
-    def gather_objects(self, obj: object, step: int | None, what: str) -> list[object]:
+    def gather_objects(
+        self, obj: object, step: int | None, what: str, near: Iterable[torch.device] = ()
+    ) -> list[object]:
         """Every rank's `obj` (picklable), in rank order: `all_gather_object`, bounded.
 
         Two collectives (the sizes, then the padded bytes), each bounded like the agreement, on
-        the group's communication device; two host transfers, whatever the world size.
+        the group's communication device for the first accelerator among `near` (the devices
+        of the tensors `obj` describes: this rank's own, never the current device's guess), else
+        for the CPU; two host transfers, whatever the world size.
         """
         if self.world_size == 1:
             return [obj]
-        comm = self.comm_device(torch.device("cpu"))
+        cpu = torch.device("cpu")
+        comm = self.comm_device(next((d for d in near if d.type != "cpu"), cpu))
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(comm)
         size = torch.full((1,), data.numel(), dtype=torch.int64, device=comm)
         lengths = self._all_gather(size, step, f"the sizes of {what}").reshape(-1).tolist()
@@ -485,7 +494,8 @@ class Exchange:
 
         Raises:
             ShardScaleDistributedError: a rank did not arrive in time, or left (its connection
-                broke); the message names the step.
+                broke), or (under `TORCH_DISTRIBUTED_DEBUG=DETAIL`) issued another collective;
+                the message names the step.
         """
         device = (tensor[0] if isinstance(tensor, list) else tensor).device
         waits = self._host_waits.get(device)
@@ -503,6 +513,11 @@ class Exchange:
             broken = isinstance(error, dist.DistNetworkError) or _BROKEN.search(str(error))
             if not broken and (timed_out or _TIMED_OUT.search(str(error))):
                 raise self._late(step, what) from error
+            if _MISMATCH.search(str(error)):
+                raise ShardScaleDistributedError(
+                    f"{_at(step)}the ranks issued different collectives where this one issued "
+                    f"{what}: they took different code paths ({error})"
+                ) from error
             raise ShardScaleDistributedError(
                 f"{_at(step)}exchanging {what} with the other {self.world_size - 1} "
                 f"rank(s) failed: a rank left the process group ({error})"

@@ -120,7 +120,8 @@ def locate(
         for (name, _), (infs, nans) in zip(pieces, counts, strict=True)
         if infs or nans
     ]
-    gathered = exchange.gather_objects(mine, step, "their non-finite gradient records")
+    near = [values.device for _, values in pieces]
+    gathered = exchange.gather_objects(mine, step, "their non-finite gradient records", near)
     return [record for records in gathered for record in cast(list[NonFiniteGrad], records)]
 
 
@@ -267,7 +268,8 @@ def find_underflowing_grads(
         )
         if below
     ]
-    gathered = exchange.gather_objects(mine, None, "their underflowing gradient records")
+    near = [values.device for _, values in pieces]
+    gathered = exchange.gather_objects(mine, None, "their underflowing gradient records", near)
     return [record for records in gathered for record in cast(list[UnderflowingGrad], records)]
 
 
@@ -375,8 +377,9 @@ class ActivationWatch:
         self._handles.clear()
         if exc[0] is not None:
             return
+        near = [counts.device for counts, _elements, _dtype in self._counts.values()]
         gathered = self._exchange.gather_objects(
-            _read_counts(self._counts), None, "their activation gradient counts"
+            _read_counts(self._counts), None, "their activation gradient counts", near
         )
         totals: dict[str, list[Any]] = {}
         for ranks_counts in cast(list[dict[str, list[Any]]], gathered):

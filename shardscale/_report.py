@@ -1,27 +1,29 @@
-"""What happened at each step, told to whoever listens: stats, hooks, the log, the skip limit;
-and the alarms that are not left to listeners: the floor warning, the error for gradients that
-stay non-finite there, the warning for a long streak of non-finite losses.
+"""What happened at each step, told to whoever listens: stats, hooks, the log; and the alarms,
+which are not left to listeners: the floor warning, the error for gradients that stay
+non-finite there, the skip limit's error, the warning for a long streak of non-finite losses.
 
-Invariant: reporting adds no host synchronisation to a step, but the alarms' while a streak of
-skipped steps is under way. The numbers live on the device (`DeviceState`); after each `update()`
-they are packed into one small tensor and copied to the host.
-On the CPU that copy is the read. On a GPU it is started without waiting (into pinned memory from
-torch's caching host allocator, on the current stream of the state's own device, with an event
-recorded there) and delivered at the next `update()` (or when
+Invariant: what one rank observes never changes what it communicates. Who listens (a hook on
+rank 0 only, the log level, reading `stats`) changes only what this rank is told, and when;
+the alarms, which gather where the non-finite values are (a collective), sound at the same
+`update()` on every rank, because they follow only what the ranks agreed.
+
+The stats: the numbers live on the device (`DeviceState`); after an `update()` that someone
+listens to they are packed into one small tensor and read. On the CPU the copy is the read.
+Where the state is read late (CUDA: `shardscale._state.DevicePath`) the copy is started without
+waiting and delivered at the next `update()` (or when
 [`ShardedGradScaler.stats`][shardscale.ShardedGradScaler.stats] is read), by when the device has
-long finished it: hooks, log lines and the `max_consecutive_skips` check then run one step late, and
-cost no sync (the wait on the previous step's event lets the host run at most one step ahead while
-someone listens).
+long finished it: hooks and log lines run one step late, and cost no sync (the wait on the
+previous step's copy lets the host run at most one step ahead while someone listens). Nobody
+listening (no hook, the `"shardscale"` logger below INFO) costs nothing but the alarms' watch.
 
-Nobody listening (no hook, no limit, the `"shardscale"` logger below INFO) costs nothing but
-the alarms' watch below.
-
-The alarms watch two streaks the device counts (`Count.FLOOR_STREAK`, `Count.LOSS_STREAK`),
-after every step whose outcome the host did not read (a plain step it read as clean ends both
-streaks): on the CPU by reading them; on a GPU by a non-blocking copy read one `update()` later,
-and, once that shows a streak under way, by reading them at each `update()` until it ends. So
-every rank sees the same streaks at the same `update()`, where the alarm sounds (naming the
-parameters takes one gather: every rank is there).
+The alarms watch three streaks the device counts (`Count.FLOOR_STREAK`, `Count.LOSS_STREAK`
+and, with `max_consecutive_skips`, `Count.CONSECUTIVE`) after every step whose outcome the
+host did not read (a plain step it read as clean ends them all): on the CPU by reading them;
+read late, by a non-blocking copy read one `update()` later, and, once that shows a streak
+under way, by reading them at each `update()` until it ends. Whether a step is watched, which
+step a copy belongs to, and what the device counted are the same on every rank; a listener
+neither makes nor consumes the alarms' copy. So every rank sees the same streaks at the same
+`update()`, where the alarm sounds (naming the parameters takes one gather: every rank is there).
 """
 
 from __future__ import annotations
@@ -33,15 +35,24 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
+from typing import cast
 
-import torch
 from torch.utils.hooks import RemovableHandle
 
 from shardscale._bins import UNDERFLOW_TARGET
 from shardscale._errors import ShardScaleNonFiniteError, ShardScaleSkipError, ShardScaleWarning
 from shardscale._locate import LOSS, NonFiniteGrad, logger
 from shardscale._policy import MIN_SCALE, ScalePolicy
-from shardscale._state import PACKED_STREAKS, Count, Counters, DeviceState, unpack
+from shardscale._state import (
+    COUNTERS,
+    PACKED_COUNTERS,
+    Count,
+    Counters,
+    DeviceState,
+    Landing,
+    device_path,
+    unpack,
+)
 
 # The meter's log line, above its target (logging's %-arguments: formatted only when logged).
 _UNDERFLOW_MESSAGE = "step %d: %.3g%% of the non-zero gradient elements were below fp16's normal "
@@ -56,17 +67,12 @@ _NAMED = 8
 
 
 class Alarm(Enum):
-    """What a watched streak says (`StepReporter.watch`)."""
+    """What a watched streak says (`StepReporter.after_update`)."""
 
     AT_FLOOR = "the first gradient overflow that left the scale at its floor: a warning"
     STUCK = "max_overflows_at_floor gradient overflows in a row there: the error"
+    SKIP_LIMIT = "more than max_consecutive_skips skipped steps in a row: the error"
     LOSS_STREAK = "LOSS_STREAK_WARNING non-finite losses in a row: a warning, once a streak"
-
-
-# Device types whose stats are copied without waiting, under a CUDA event. "meta" is the CPU
-# suite's stand-in for a GPU (its tests replace torch.cuda's events and streams with recorders),
-# so that this path runs in CI; other accelerators read at once (correct, one sync per update).
-_EVENT_DEVICE_TYPES = frozenset({"cuda", "meta"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +124,15 @@ StatsHook = Callable[[ScalerStats], None]
 
 
 class StepReporter:
-    """Delivers each step's stats to hooks, the log and the consecutive-skip limit."""
+    """Delivers each step's stats to whoever listens (hooks, the log), and watches the streaks
+    that sound the alarms (the module docstring).
+
+    The two are kept apart, so that what one rank observes never changes what it communicates:
+    who listens is this rank's business (a hook on rank 0 only, its log level, reading
+    `stats`), and changes only when and what it is told; when an alarm sounds (and gathers
+    where the non-finite values are) depends only on what every rank agreed: the step numbers,
+    whether the host read a step's outcome, and the streaks the device counted.
+    """
 
     def __init__(
         self, max_consecutive_skips: int | None, max_overflows_at_floor: int | None = None
@@ -128,25 +142,31 @@ class StepReporter:
         # The stats hooks, by handle id. An OrderedDict: RemovableHandle holds a weak reference
         # to it, which a dict refuses.
         self.hooks: OrderedDict[int, StatsHook] = OrderedDict()
-        # The step whose copy is in flight (delivered at the next push or flush): its buffer,
-        # event, and whether it holds the packed state (someone listens) or the streaks alone.
-        self._pending: tuple[torch.Tensor, torch.cuda.Event, bool] | None = None
+        # The packed state copied at the last update for the listeners, delivered at the next
+        # update or `stats` read (where the state is read late).
+        self._stats: Landing | None = None
+        # The alarms' trigger where the state is read late: (the step, its copy, where the
+        # counters start in it), copied at a watched update for the next one. Never consumed
+        # by a listener: a `stats` read delivers the stats, and the trigger stays.
+        self._trigger: tuple[int, Landing, int] | None = None
+        # The last step whose streaks were read and showed one under way (None: none): the
+        # next watched update reads them too.
+        self._streak_at: int | None = None
+        # What the last reading said, for the alarms' messages; what was already told.
+        self._read: list[int] = [0] * COUNTERS
+        self._warned_at_floor = False
+        self._warned_loss_streak_from = 0  # the first step of the loss streak warned about
         self._last_logged = -float("inf")
         self._unlogged_skips = 0
         # The forward overflows counted so far (delivered, or loaded): a step that adds one was
         # skipped for its loss, not its gradients.
         self._forward_overflows = 0
-        # The alarms: whether the last reading showed a streak under way (then the streaks are
-        # read at each update until it ends), its floor streak, and what was already told.
-        self._streaking = False
-        self._floor_streak = 0
-        self._warned_at_floor = False
-        self._warned_loss_streak = False
 
     def restart(self, counters: Counters) -> None:
-        """A state was loaded: forget the step in flight, count from `counters`."""
-        self._pending = None
-        self._streaking = False
+        """A state was loaded: forget the copies in flight and the streaks, count from
+        `counters`."""
+        self._stats = self._trigger = None
+        self._streak_at = None
         self._forward_overflows = counters.forward_overflows
 
     def register(self, hook: StatsHook) -> RemovableHandle:
@@ -154,75 +174,99 @@ class StepReporter:
         self.hooks[handle.id] = hook
         return handle
 
-    def push(self, state: DeviceState, policy: ScalePolicy, watch: bool) -> Alarm | None:
-        """Take one step's state: its stats go to whoever listens, now (CPU) or at the next
-        push/flush; and where `watch` (a step whose outcome the host did not read), return the
-        alarm its streaks sound now, if any (module docstring).
+    def listening(self) -> bool:
+        """Whether anybody on this rank is told the stats: a hook, or the log at INFO."""
+        return bool(self.hooks) or logger.isEnabledFor(logging.INFO)
 
-        One copy is in flight at a time: the packed state when someone listens, else the two
-        streaks alone; with nobody listening and nothing to watch, an update pays nothing here.
-        Nothing runs while a CUDA graph captures the step (its replays run without the host; the
-        device counts the streaks all the same).
+    def after_update(
+        self, state: DeviceState, policy: ScalePolicy, step: int, read: bool | None
+    ) -> Alarm | None:
+        """Take step `step`'s state, just updated: its stats go to whoever listens, now or (read
+        late) at the next update or `stats` read; and where the step is watched, return the
+        alarm its streaks sound now, if any. `read`: what the host read of the step's outcome
+        (False: clean, which ends every streak, so nothing is watched; True: skipped; None:
+        not read, a fused step's); the same on every rank.
+
+        Read late, the streaks are read at once where the host saw the step skipped (it has
+        waited for the device already) or the step before showed a streak under way (its copy,
+        or a reading); else this step's travel in a copy for the next one: one non-blocking
+        copy an update at most, for the listeners and the alarms together. Nothing runs while a
+        CUDA graph captures the step (its replays run without the host; the device counts the
+        streaks all the same).
         """
-        capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()  # type: ignore[no-untyped-call]
-        listening = self.hooks or self.max_consecutive_skips is not None
-        listening = bool(listening or logger.isEnabledFor(logging.INFO))
-        if capturing or not (listening or watch):
-            self._pending = None
+        path, device, watch = device_path(), state.scale.device, read is not False
+        if path.capturing(device):
+            self._stats = self._trigger = None
             return None
-        streaks = state.counters[Count.FLOOR_STREAK :]
-        if streaks.device.type not in _EVENT_DEVICE_TYPES:
-            # The CPU (where the copy is the read), or an accelerator without CUDA's events,
-            # whose non-blocking copy nothing could wait for: read now.
+        listening = self.listening()
+        if not path.reads_late(device):  # the CPU, where the copy is the read
             if listening:
                 self._deliver(stats_from(state.packed().tolist()))
-            return self._alarm(streaks.tolist(), policy) if watch else None
-        seen = self.flush()  # the last step's streaks, one update late: the alarms' trigger
-        alarm = None
-        if watch and (self._streaking or any(seen or ())):
-            alarm = self._alarm(streaks.tolist(), policy)  # a streak under way: read it now
-        copied = state.packed() if listening else streaks
-        # Pinned, so the copy runs without the host (torch's caching host allocator keeps the
-        # few small blocks this takes, in turn, from one step to the next).
-        host = torch.empty(copied.shape, dtype=copied.dtype, pin_memory=True)
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        # On the stream of the copied tensor's OWN device, not the current device's (which, on
-        # the async scaler's optimizer thread or without torch.cuda.set_device, is another
-        # GPU's): the copy and the event that covers it must be on the same stream.
-        with torch.cuda.device(copied.device):
-            host.copy_(copied, non_blocking=True)
-            event.record(torch.cuda.current_stream(copied.device))
-        self._pending = (host, event, listening)
+            return self._alarm(state.counters.tolist(), policy, step) if watch else None
+        self.flush()
+        alarm, before = None, self._counters_before(step) if watch else None
+        under_way = self._streak_at == step - 1 or self._streaking(before or ())
+        read_now = read is True or (watch and under_way)
+        if read_now:
+            alarm = self._alarm(state.counters.tolist(), policy, step, before)
+        if listening:
+            self._stats = path.copy_late(state.packed())
+        if watch and not read_now:
+            trigger = (self._stats, PACKED_COUNTERS) if listening else None
+            landing, start = trigger or (path.copy_late(state.counters), 0)
+            self._trigger = (step, cast(Landing, landing), start)
         return alarm
 
-    def flush(self) -> list[float] | None:
-        """Deliver the step still in flight, if any (waits for its copy): its stats to whoever
-        listens, where it holds them. Returns its streaks (None: nothing was in flight)."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        host, event, packed = pending
-        event.synchronize()  # recorded a step ago: normally long complete
-        values = host.tolist()
-        if not packed:
-            return values
-        self._deliver(stats_from(values))
-        return values[PACKED_STREAKS]
+    def flush(self) -> None:
+        """Deliver the stats still on their way, if any (waits for their copy): to the hooks
+        and the log. The alarms' trigger stays as it is."""
+        landing, self._stats = self._stats, None
+        if landing is not None:
+            self._deliver(stats_from(landing.values()))
 
-    def _alarm(self, streaks: list[float], policy: ScalePolicy) -> Alarm | None:
-        """The alarm the streaks `[floor, loss]` (read now) sound, if any; each warning once
-        (the loss streak's once a streak)."""
-        floor, losses = map(int, streaks)
-        self._streaking, self._floor_streak = bool(floor or losses), floor
-        self._warned_loss_streak &= losses >= LOSS_STREAK_WARNING
-        limit = self.max_overflows_at_floor
+    def _counters_before(self, step: int) -> list[float] | None:
+        """The counters of the step before `step`, from its copy (which this waits for: copied
+        an update ago, normally long landed); None where it made none (its outcome was read:
+        clean, which ended every streak, or a streak's, read at once)."""
+        if self._trigger is None or self._trigger[0] != step - 1:
+            return None
+        _, landing, start = self._trigger
+        return landing.values()[start : start + COUNTERS]
+
+    def _streaking(self, counters: Sequence[float]) -> bool:
+        """Whether `counters` show a streak an alarm watches: gradients overflowing at the
+        floor, losses non-finite, or skipped steps where a limit counts them."""
+        if not counters:
+            return False
+        skips = self.max_consecutive_skips is not None and counters[Count.CONSECUTIVE] > 0
+        return bool(counters[Count.FLOOR_STREAK] or counters[Count.LOSS_STREAK] or skips)
+
+    def _alarm(
+        self,
+        counters: Sequence[float],
+        policy: ScalePolicy,
+        step: int,
+        before: Sequence[float] | None = None,
+    ) -> Alarm | None:
+        """The alarm step `step`'s counters (read now) sound, if any; each warning once (the
+        loss streak's once a streak). `before`: the step before's, seen in its copy, where an
+        overflow at the floor may show that a streak of one, over by now, cannot."""
+        self._read = read = [int(count) for count in counters]
+        if self._streaking(read):
+            self._streak_at = step
+        floor, losses = read[Count.FLOOR_STREAK], read[Count.LOSS_STREAK]
+        limit, skips = self.max_overflows_at_floor, self.max_consecutive_skips
         if limit is not None and floor >= limit:
             return Alarm.STUCK
+        if skips is not None and read[Count.CONSECUTIVE] > skips:
+            return Alarm.SKIP_LIMIT
+        floor = floor or int(before[Count.FLOOR_STREAK] if before else 0)
         if floor and policy.dynamic and not self._warned_at_floor:
             self._warned_at_floor = True
             return Alarm.AT_FLOOR
-        if losses >= LOSS_STREAK_WARNING and not self._warned_loss_streak:
-            self._warned_loss_streak = True
+        started = step - losses + 1  # the streak's first step: one warning per streak
+        if losses >= LOSS_STREAK_WARNING and started != self._warned_loss_streak_from:
+            self._warned_loss_streak_from = started
             return Alarm.LOSS_STREAK
         return None
 
@@ -236,16 +280,6 @@ class StepReporter:
             logger.info(_UNDERFLOW_MESSAGE, *values, 100 * UNDERFLOW_TARGET)
         for hook in list(self.hooks.values()):
             hook(stats)
-        limit = self.max_consecutive_skips
-        if limit is not None and stats.consecutive_skips > limit:
-            raise ShardScaleSkipError(
-                f"step {stats.steps}: {stats.consecutive_skips} consecutive steps skipped for "
-                f"inf/NaN gradients or losses ({stats.forward_overflows} forward overflow(s) in "
-                f"all), more than max_consecutive_skips={limit}; the scale is {stats.scale:g}. A "
-                "scale that stays small while steps keep overflowing, or a loss that is itself "
-                "inf/NaN, usually means the model or the loss produces inf/NaN by itself (try "
-                "locate_overflow=True to see which parameters, and which ranks' losses)."
-            )
 
     def _log_skip(self, stats: ScalerStats, forward: bool) -> None:
         if not logger.isEnabledFor(logging.INFO):
@@ -275,15 +309,22 @@ class StepReporter:
         self._unlogged_skips = 0
 
     def sound(
-        self, alarm: Alarm, located: list[NonFiniteGrad], step: int, policy: ScalePolicy
+        self,
+        alarm: Alarm,
+        located: list[NonFiniteGrad],
+        step: int,
+        policy: ScalePolicy,
+        scale: float,
     ) -> None:
-        """Warn, or raise, for `alarm` at `step`, from what `located` found (every rank's).
+        """Warn, or raise, for `alarm` at `step`, from what `located` found (every rank's) and
+        the last reading; `scale` is the scale now, for the skip limit's message.
 
         Raises:
             ShardScaleNonFiniteError: `Alarm.STUCK`, on every rank alike.
+            ShardScaleSkipError: `Alarm.SKIP_LIMIT`, on every rank alike.
         """
         grads = [record for record in located if record.name != LOSS]
-        where = "; ".join(map(str, grads[:_NAMED])) or "none left to name"
+        where = "; ".join(map(str, grads[:_NAMED])) or "none left (cleared before this update)"
         if len(grads) > _NAMED:
             where += f"; and {len(grads) - _NAMED} more"
         nans = sum(record.num_nan for record in grads)
@@ -297,9 +338,12 @@ class StepReporter:
             )
             message += f" Non-finite at: {where}."
             warnings.warn(message, ShardScaleWarning, stacklevel=3)
+        elif alarm is Alarm.SKIP_LIMIT:
+            read, limit = self._read, self.max_consecutive_skips
+            raise ShardScaleSkipError(_skip_limit_message(step, read, limit, scale, where))
         else:
-            message = _stuck_message(step, policy, nans, where, self._floor_streak)
-            raise ShardScaleNonFiniteError(message)
+            floor = self._read[Count.FLOOR_STREAK]
+            raise ShardScaleNonFiniteError(_stuck_message(step, policy, nans, where, floor))
 
 
 def _why(nans: int, policy: ScalePolicy) -> str:
@@ -337,6 +381,20 @@ def _stuck_message(step: int, policy: ScalePolicy, nans: int, where: str, steps:
         f"no longer explains them. {_why(nans, policy)} Non-finite at: {where}. Nothing "
         "was written into the weights: every one of those steps was skipped. To skip such "
         "steps forever instead (torch's scaler's behaviour), pass max_overflows_at_floor=None."
+    )
+
+
+def _skip_limit_message(
+    step: int, read: list[int], limit: int | None, scale: float, where: str
+) -> str:
+    """`ShardScaleSkipError`'s message for `max_consecutive_skips` (`StepReporter.sound`)."""
+    consecutive, forward = read[Count.CONSECUTIVE], read[Count.FORWARD_OVERFLOWS]
+    return (
+        f"step {step}: {consecutive} consecutive steps skipped for inf/NaN gradients or losses "
+        f"({forward} forward overflow(s) in all), more than max_consecutive_skips={limit}; the "
+        f"scale is {scale:g}. Non-finite at: {where}. A scale that stays small while steps keep "
+        "overflowing, or a loss that is itself inf/NaN, usually means the model or the loss "
+        "produces inf/NaN by itself (locate_overflow=True logs where at each overflow step)."
     )
 
 

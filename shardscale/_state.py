@@ -19,6 +19,7 @@ from __future__ import annotations
 import operator
 import sys
 from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from enum import Enum, IntEnum
 from itertools import chain
@@ -104,6 +105,85 @@ _UPDATE = {
 _COUNT_TERMS = [
     [row[part][term] for part in (0, 1) for row in _UPDATE.values()] for term in range(3)
 ]
+
+
+class Landing:
+    """A device tensor's copy on its way to the host: [`values()`][values] waits for it to
+    land (once), then reads it (and remembers what it read)."""
+
+    def __init__(self, host: torch.Tensor, wait: Any) -> None:
+        self._host, self._wait = host, wait
+        self._values: list[float] | None = None
+
+    def values(self) -> list[float]:
+        """The copied values: the wait for the copy (normally long over), then one read."""
+        if self._values is None:
+            self._wait()
+            self._values = self._host.tolist()
+        return self._values
+
+
+class DevicePath:
+    """How the host meets the device the state lives on: the one place that knows CUDA's
+    events, streams, pinned memory, graph capture and device contexts.
+
+    On CUDA the host reads the state *late*: a non-blocking copy into pinned memory, covered by
+    an event, read at the next `update()`, so that reading never stalls a step. Elsewhere it
+    reads at once (on the CPU the copy is the read; an accelerator without CUDA's events
+    could not wait for a non-blocking copy). `shardscale.testing.cuda_path()` puts another
+    path in this one's place, which takes the CUDA answers for CPU tensors: nothing else in
+    the package knows that tests exist.
+    """
+
+    def reads_late(self, device: torch.device) -> bool:
+        """Whether state on `device` is read through a copy that lands later."""
+        return device.type == "cuda"
+
+    def capturing(self, device: torch.device) -> bool:
+        """Whether `device`'s current stream is capturing a CUDA graph (the state's device,
+        not the current one: another GPU's stream says nothing of this one's)."""
+        if device.type != "cuda" or not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            return False
+        with torch.cuda.device(device):
+            return torch.cuda.is_current_stream_capturing()
+
+    def on(self, device: torch.device) -> AbstractContextManager[object]:
+        """Make `device` the current one of its type for the block (no-op on the CPU and for a
+        device without an index): a new thread's current GPU is 0 whatever the rank's is."""
+        if device.type == "cpu" or device.index is None:
+            return nullcontext()
+        select = getattr(torch.get_device_module(device.type), "device", None)
+        return nullcontext() if select is None else select(device.index)
+
+    def copy_late(self, tensor: torch.Tensor) -> Landing:
+        """Start copying `tensor` (on a device that `reads_late`) to the host, without waiting.
+
+        Into pinned memory (torch's caching host allocator keeps the few small blocks this
+        takes from one step to the next), on the current stream of the tensor's OWN device,
+        with an event recorded there: on another thread, or without `torch.cuda.set_device`,
+        the current device is another GPU, and the copy and its event must share a stream.
+        """
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        with torch.cuda.device(tensor.device):
+            host.copy_(tensor, non_blocking=True)
+            event.record(torch.cuda.current_stream(tensor.device))
+        return Landing(host, event.synchronize)
+
+
+_PATH = DevicePath()  # the path in use: `shardscale.testing.cuda_path()` swaps it for a block
+
+
+def device_path() -> DevicePath:
+    """The [`DevicePath`][] in use (read at each call: a test's seam may have replaced it)."""
+    return _PATH
+
+
+def use_device_path(path: DevicePath) -> DevicePath:
+    """Put `path` in use, for every thread; return the one it replaces (`shardscale.testing`)."""
+    global _PATH
+    previous, _PATH = _PATH, path
+    return previous
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,8 +299,8 @@ class DeviceState:
         return torch.cat([*(t.reshape(1) for t in head), self.counters, self.fit, self.meter])
 
 
-# Where `DeviceState.packed()` holds the streaks: after the scale and its two trackers.
-PACKED_STREAKS = slice(3 + Count.FLOOR_STREAK, 3 + COUNTERS)
+# Where `DeviceState.packed()` holds the counters: after the scale and its two trackers.
+PACKED_COUNTERS = 3
 
 
 def unpack(values: list[float]) -> tuple[ScaleState, Counters]:
@@ -319,12 +399,15 @@ class OptimizerRecord:
         takes_scale: Whether its `step()` reads `grad_scale`/`found_inf` itself (fused, and
             capturable with amp support): it unscales and skips on the device, with no host
             synchronisation; its gradients are only checked.
+        local_flags: What `unscale_()` found on this rank alone, by device, while the group has
+            not agreed yet (torch's private reads answer it then: `shardscale._compat`).
     """
 
     optimizer: torch.optim.Optimizer
     takes_scale: bool
     stage: Stage = Stage.READY
     verdict: Verdict | None = None
+    local_flags: dict[torch.device, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -243,7 +243,7 @@ class Stepper:
             pending.has_elements = pending.has_elements or has_elements
             pending.readings.append(reading)
             for record in to_check:
-                record.stage = Stage.UNSCALED
+                record.stage, record.local_flags = Stage.UNSCALED, flags
 
     def agree(
         self,

@@ -44,7 +44,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
@@ -55,24 +55,11 @@ import torch.distributed as dist
 from shardscale._config import timeout_option
 from shardscale._exchange import Exchange
 from shardscale._report import ScalerStats
+from shardscale._state import device_path
 from shardscale._stepping import OptimizerTarget, leaves
 from shardscale.scaler import ShardedGradScaler, passes_itself
 
-__all__ = ["AsyncShardedGradScaler", "on_device"]
-
-
-def on_device(device: torch.device) -> AbstractContextManager[object]:
-    """Make `device` the current one of its type on this thread, for the block.
-
-    The optimizer thread is a new thread, whose current CUDA device is 0 whatever the compute
-    thread set: the collectives' device, the stats copy's stream and anything else that follows
-    the current device would land on GPU 0 from every rank. No-op on the CPU, on `meta` and
-    for a device without an index.
-    """
-    if device.type in ("cpu", "meta") or device.index is None:
-        return nullcontext()
-    select = getattr(torch.get_device_module(device.type), "device", None)
-    return nullcontext() if select is None else select(device.index)
+__all__ = ["AsyncShardedGradScaler"]
 
 
 @dataclass(eq=False, slots=True)
@@ -138,11 +125,14 @@ class AsyncShardedGradScaler(ShardedGradScaler):
     Args:
         step_timeout: the longest wait (`timedelta` or seconds) of `scale()`,
             `state_dict()` and friends for an iteration's step to agree its flag. Default 600 s.
-        flag_backend: the backend of the scaler's own process group; None: its group's. On
-            NCCL pass `"gloo"`: the optimizer thread then never runs NCCL kernels beside the
-            model's (docs/async.md), and a proper subgroup works with a bound device
-            (`init_process_group(device_id=...)`), where an NCCL group cannot be made by its
-            members alone. Costs one small host copy of the flag per step.
+        flag_backend: the backend of the scaler's own process group. `"gloo"`, the default:
+            the optimizer thread then never runs NCCL kernels beside the model's (NCCL's own
+            documentation calls issuing operations to two communicators of one device from
+            two threads unsafe: docs/async.md), and a proper subgroup works with a bound
+            device (`init_process_group(device_id=...)`), where an NCCL group cannot be made
+            by its members alone. Costs one small host copy of the flag per step, on the
+            optimizer thread. None: the scaler's group's own backend (NCCL on GPUs: a second
+            communicator, used from the optimizer thread, at your own risk).
         **kwargs: as for [`ShardedGradScaler`][], except `verify_every` (its collective would race
             with the optimizer thread's; call [`verify_agreement()`][verify_agreement] between
             iterations instead).
@@ -156,7 +146,7 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         device: str | torch.device | None = None,
         *,
         step_timeout: timedelta | float = 600.0,
-        flag_backend: str | None = None,
+        flag_backend: str | None = "gloo",
         **kwargs: Any,
     ) -> None:
         if kwargs.get("verify_every", 0):
@@ -227,7 +217,7 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         """
         if not self.is_enabled():
             return
-        with self._serving(optimizer, "unscale_") as iteration, on_device(iteration.device):
+        with self._serving(optimizer, "unscale_") as iteration, device_path().on(iteration.device):
             super().unscale_(optimizer)
 
     def step(self, optimizer: OptimizerTarget, *args: Any, **kwargs: Any) -> Any:
@@ -255,7 +245,7 @@ class AsyncShardedGradScaler(ShardedGradScaler):
                 "another iteration's thread); use an optimizer that takes grad_scale/found_inf "
                 "(torch's fused=True), or ShardedGradScaler"
             )
-        with self._serving(optimizer, "step") as iteration, on_device(iteration.device):
+        with self._serving(optimizer, "step") as iteration, device_path().on(iteration.device):
             container = _Notifying(optimizer, lambda: self._agreed(iteration))
             result = super().step(cast(torch.optim.Optimizer, container), *args, **kwargs)
         self._agreed(iteration)  # a skipped non-fused step never reaches the container

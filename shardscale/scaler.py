@@ -33,7 +33,7 @@ from torch.utils.hooks import RemovableHandle
 
 from shardscale import _compat
 from shardscale._check import check_clip_args
-from shardscale._checkpoint import parse_state_dict, to_state_dict
+from shardscale._checkpoint import parse_state_dict, state_numbers, to_state_dict
 from shardscale._config import ScalerConfig
 from shardscale._errors import ShardScaleWarning, no_scale_message
 from shardscale._exchange import Exchange, Flag, Verdict, combined
@@ -54,6 +54,7 @@ from shardscale._state import (
     ScaleHome,
     ScalerState,
     Stage,
+    device_path,
     optimizer_params,
 )
 from shardscale._stepping import ClipRequest, OptimizerTarget, Stepper, leaves
@@ -341,17 +342,17 @@ class ShardedGradScaler(torch.amp.GradScaler):
             ValueError: `device` is None and no loss was scaled yet on this rank (nothing says
                 where the scale lives), or the scaler is disabled and `device` is None.
         """
-        if device is None and self._home.device is None:
+        home = self._home.device
+        where = home.scale.device if home is not None else device
+        if where is None:
             raise ValueError(
                 "loss_scale_tensor() needs device= before the first scale() on this rank: "
                 "nothing says yet where the scale lives"
             )
-        target = torch.device(device) if device is not None else None
+        target = torch.device(device if device is not None else where)
         if not self._enabled:
             return torch.ones((), dtype=torch.float32, device=target)
-        home = self._home.device
-        scale = self._iteration_scale(home.scale.device if home is not None else target)
-        return scale if target is None else move(scale, target)
+        return move(self._iteration_scale(torch.device(where)), target)
 
     def _scale_iterable(self, outputs: Iterable[Any]) -> Iterable[Any]:
         """`scale()` of (nested) lists and tuples of tensors, and of other iterables, lazily."""
@@ -571,13 +572,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
         alarm = None
         if verdict is not None:
             state.apply_(policy, verdict, manual)
-            # A step the host did not read as clean has its streaks watched; one it read as
-            # clean, not a meter step, has nothing to report (no skip to log, no streak, no
-            # meter reading) but to hooks, and to the skip limit's check of an earlier step.
-            watch, reporter = verdict.read is not False, self._reporter
-            listening = reporter.hooks or reporter.max_consecutive_skips is not None
-            if watch or verdict.counts is not None or listening:
-                alarm = reporter.push(state, policy, watch)
+            # A step the host did not read as clean has its streaks watched (every rank alike);
+            # one it read as clean, not a meter step, has nothing to report (no skip to log, no
+            # streak, no meter reading) but to hooks.
+            read, reporter = verdict.read, self._reporter
+            if read is not False or verdict.counts is not None or reporter.hooks:
+                alarm = reporter.after_update(state, policy, taken, read)
         elif manual is not None:
             state.scale.copy_(manual)
         self._book = IterationBook(step=taken + 1)
@@ -585,8 +585,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if verify_every and verdict is not None and taken % verify_every == 0:
             self.verify_agreement()
         if alarm is not None:  # every rank alike: it names the parameters, with one gather
-            located = self._stepper.locate_now(book, with_losses=alarm is Alarm.LOSS_STREAK)
-            self._reporter.sound(alarm, located, taken, policy)
+            losses = alarm in (Alarm.LOSS_STREAK, Alarm.SKIP_LIMIT)
+            located = self._stepper.locate_now(book, with_losses=losses)
+            self._reporter.sound(alarm, located, taken, policy, float(state.scale.item()))
 
     def _loss_scale(
         self, funcname: str, source: Iterable[torch.optim.Optimizer] | list[torch.Tensor] | object
@@ -602,8 +603,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """
         book = self._book
         if book.loss_scale is not None:
-            initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-            if initialized and torch.cuda.is_current_stream_capturing():
+            if device_path().capturing(book.loss_scale.device):
                 self._captured = (book.loss_scale, book.loss_nonfinite)  # the graph reads these
             return book.loss_scale
         if self._home.device is not None:
@@ -696,13 +696,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """
         if not self._enabled or self._stepper.exchange.world_size == 1:
             return
-        fields = to_state_dict(self._home.read())
-        # as numbers: the window's, and the policy's
-        fields |= {f"_fit_window[{i}]": v for i, v in enumerate(fields.pop("_fit_window"))}
-        fields["scale_policy"] = fields["scale_policy"] == "fit"
-        values = torch.tensor([float(v) for v in fields.values()], dtype=torch.float64)
+        numbers = state_numbers(self._home.read())
+        values = torch.tensor(list(numbers.values()), dtype=torch.float64)
         device = self._home.device.scale.device if self._home.device is not None else values.device
-        self._stepper.exchange.compare(values.to(device), list(fields), self._book.step - 1)
+        self._stepper.exchange.compare(values.to(device), list(numbers), self._book.step - 1)
 
     # ------------------------------------------------------------------ state
 
@@ -783,11 +780,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def _per_optimizer_states(self) -> _compat.OptimizerStates:
         """Per `id(optimizer)`: `{"stage": OptState, "found_inf_per_device": {device: flag}}`.
 
-        A read-only view of this iteration, built when read: the flag is the AGREED one, so
-        `sum(v.item() for v in ...["found_inf_per_device"].values())` says whether the step
-        was skipped, alike on every rank. After `update()` it is empty, as torch's.
+        A read-only view of this iteration, built when read: after `step()` the flag is the
+        AGREED one, so `sum(v.item() for v in ...["found_inf_per_device"].values())` says
+        whether the step was skipped, alike on every rank; between `unscale_()` and `step()`
+        this rank's own, with a warning (a read never communicates: docs/migration.md). After
+        `update()` it is empty, as torch's.
         """
-        return _compat.OptimizerStates(self._book, self._agree_for_view)
+        return _compat.OptimizerStates(self._book)
 
     _growth_factor = _compat.torch_alias("get_growth_factor", "set_growth_factor")
     _backoff_factor = _compat.torch_alias("get_backoff_factor", "set_backoff_factor")
@@ -825,21 +824,14 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """The growth tracker as an int (one host read once the state is on a device)."""
         return self._home.read().scale.growth_tracker if self._enabled else 0
 
-    def _agree_for_view(self, book: IterationBook) -> None:
-        """Run the agreement `unscale_()` deferred, for a view that must show agreed flags."""
-        if book.pending.records:
-            self._stepper.agree(book, self._home.require("unscale_").scale, "unscale_")
-
     def _found_inf_per_device(self, optimizer: OptimizerTarget) -> dict[str, Any]:
-        """`optimizer`'s agreed flag as `{device: flag}` (empty if not checked yet).
-
-        (Annotated as torch annotates it; the keys are devices.)
+        """`optimizer`'s flag as `{device: flag}`: the agreed one after `step()`; between
+        `unscale_()` and `step()` this rank's own, with a warning (as `_per_optimizer_states`);
+        empty if not checked yet. (Annotated as torch annotates it; the keys are devices.)
         """
         book = self._book
         records = [book.records[id(leaf)] for leaf in leaves(optimizer) if id(leaf) in book.records]
-        if any(r is p for r in records for p in book.pending.records):
-            self._agree_for_view(book)  # as reading `_per_optimizer_states` does
-        return _compat.found_inf_per_device(combined(map(_VERDICT, records)))
+        return _compat.flags_of(records)
 
     def _check_inf_per_device(self, optimizer: OptimizerTarget) -> dict[str, Any]:
         """Check `optimizer`'s gradients (not unscaling them) and agree: one collective.
@@ -880,17 +872,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 device = torch.device(device.type, module.current_device())
             self._home.at(device)
 
-    def _maybe_opt_step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        optimizer_state: Mapping[str, Any],
-        *args: Any,
-        **kwargs: Any,
-    ) -> Any:
-        """torch's helper: step `optimizer` unless `optimizer_state`'s flags say inf/NaN
-        (with our `_per_optimizer_states`, the agreed flag: every rank alike)."""
-        if not any(bool(flag.item()) for flag in optimizer_state["found_inf_per_device"].values()):
-            return optimizer.step(*args, **kwargs)
+    # torch's helper: step unless the state's flags say inf/NaN (with our
+    # `_per_optimizer_states`, the agreed flag: every rank alike)
+    _maybe_opt_step = _compat.maybe_opt_step
 
     def _step_passing_itself(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]

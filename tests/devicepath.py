@@ -20,12 +20,14 @@ shape functions), so what a step costs on a GPU can be counted here, per step, e
   ``squeeze``/``unsqueeze``, ``unbind``), allocations without a fill (``empty``,
   ``empty_like``, ``empty_strided``, ``new_empty``), and ops that touch no meta tensor
   (profiler markers, CPU maths).
-* **event waits**: ``torch.cuda.Event.synchronize`` on the stubs (a host wait, on a copy
-  queued one step earlier).
+* **event waits**: waits for a non-blocking copy to land (CUDA's ``Event.synchronize``: a host
+  wait, on a copy queued one step earlier).
 
-Where meta cannot go, ``torch.cuda`` is replaced by recorders (``install_cuda_stubs``): events,
-streams, the current device, the device context, and ``torch.empty(..., pin_memory=True)``, so
-that the stats reporter's accelerator branch (hooks, ``max_consecutive_skips``) runs.
+The scaler takes its CUDA branches (late reads through non-blocking copies, capture checks,
+device contexts) under ``shardscale.testing.cuda_path()``, the package's own seam: ``measure``
+runs every case under it. ``CudaStubs``/``install_cuda_stubs`` replace ``torch.cuda``'s events,
+streams and device context with recorders, for the tests of the one class that calls them
+(``shardscale._state.DevicePath``).
 
 The optimizers are stubs, as in the audit (section 9.1): the scaler sees only whether an optimizer
 takes ``grad_scale``/``found_inf`` itself. ``Plain`` stands for for-loop, foreach and
@@ -48,6 +50,8 @@ import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardscale.testing import CudaPathLog, cuda_path
 
 __all__ = [
     "CASES",
@@ -142,21 +146,30 @@ class DeviceCounter(TorchDispatchMode):
 
     Attributes:
         kernels: the op names counted as kernels, in order (for messages).
-        event_waits: raised by the ``torch.cuda`` stubs' ``Event.synchronize``.
         log: host syncs in order, ``("read", None)``, ``("to_cpu", None)`` (``_to_copy``) and
-            ``("copy", value)`` (``copy_``), for tests of what comes before them; a test may
-            replace it with a list it shares (the ``torch.cuda`` stubs' log).
+            ``("copy", value)`` (``copy_``), for tests of what comes before them.
         landing: what a non-blocking copy lands as (None: ``value``).
+        path: the log of the ``cuda_path()`` seam the counted code runs under, whose waits
+            for copies to land are this counter's ``event_waits``.
     """
 
-    def __init__(self, value: float = 0.0, landing: float | None = None) -> None:
+    def __init__(
+        self, value: float = 0.0, landing: float | None = None, path: CudaPathLog | None = None
+    ) -> None:
         super().__init__()
         self.value = value
         # what a non-blocking copy lands as (None: `value`), e.g. quiet streaks under flags
         # that read "skipped"
         self.landing = landing
+        # the seam's log, whose waits this counts (None: no event waits are counted)
+        self.path = path
         self.log: list[tuple[str, object]] = []
         self.reset()
+
+    @property
+    def event_waits(self) -> int:
+        """Waits for a non-blocking copy to land in this window (the seam's)."""
+        return 0 if self.path is None else self.path.waits - self._waits_before
 
     @property
     def reads(self) -> int:
@@ -179,7 +192,7 @@ class DeviceCounter(TorchDispatchMode):
         self.d2h: list[bool] = []
         self.h2d: list[bool] = []
         self.kernels: list[str] = []
-        self.event_waits = 0
+        self._waits_before = 0 if self.path is None else self.path.waits
 
     def counts(self) -> Counts:
         return Counts(
@@ -280,15 +293,13 @@ class _Stream:
 
 
 class CudaStubs:
-    """Recorders for the parts of ``torch.cuda`` the scaler uses beside kernels.
+    """Recorders for the parts of ``torch.cuda`` that ``shardscale._state.DevicePath`` uses.
 
-    ``Event.synchronize`` raises ``counter.event_waits`` of the counter set in ``counter``.
     ``log`` records, in order, ``("record", stream's device)``, ``("synchronize", None)``,
     ``("device", d)`` and ``("device exit", d)`` (entering and leaving ``torch.cuda.device``).
     """
 
     def __init__(self) -> None:
-        self.counter: DeviceCounter | None = None
         self.pinned = 0
         self.records: list[torch.device | None] = []
         self.log: list[tuple[str, object]] = []
@@ -302,8 +313,6 @@ class CudaStubs:
 
             def synchronize(self) -> None:
                 stubs.log.append(("synchronize", None))
-                if stubs.counter is not None:
-                    stubs.counter.event_waits += 1
 
             def query(self) -> bool:
                 return True
@@ -415,24 +424,17 @@ def measure(
     dtypes: tuple[torch.dtype, ...] = (torch.float32,),
     steps: int = 3,
     value: float = 0.0,
-    stubs: CudaStubs | None = None,
+    path: CudaPathLog | None = None,
 ) -> Counts:
     """Run ``case`` for ``steps`` steps from a fresh scaler; the counts of the last step.
 
-    The reporter's accelerator branch (the alarms' watch after every fused step, hooks,
-    ``max_consecutive_skips``) runs on ``torch.cuda`` stubs: ``stubs`` if given (to read what
-    they recorded), else stubs of its own for the call.
+    Under ``shardscale.testing.cuda_path()``, so that the scaler's CUDA branches run (the
+    alarms' late read after every fused step, hooks): inside the caller's (``path``, to read
+    what it recorded), else a seam of its own for the call.
     """
-    if stubs is None:
-        with pytest.MonkeyPatch.context() as patch:
-            return measure(
-                case,
-                params=params,
-                dtypes=dtypes,
-                steps=steps,
-                value=value,
-                stubs=install_cuda_stubs(patch),
-            )
+    if path is None:
+        with cuda_path() as own:
+            return measure(case, params=params, dtypes=dtypes, steps=steps, value=value, path=own)
     from shardscale import ShardedGradScaler
 
     grads = meta_params(params, dtypes, cpu=case.cpu_grads)
@@ -440,9 +442,7 @@ def measure(
     scaler = ShardedGradScaler(**case.options)
     if case.hook:
         scaler.register_stats_hook(lambda stats: None)
-    counter = DeviceCounter(value)
-    if stubs is not None:
-        stubs.counter = counter
+    counter = DeviceCounter(value, path=path)
     with counter:
         for _ in range(steps):
             loss = torch.ones((), device=META)

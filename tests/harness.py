@@ -50,6 +50,9 @@ def _rank_main(
     torch.set_num_threads(1)
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop chatter
     os.environ.update(env or {})  # before the process group, which reads its variables once
+    # torch reads TORCH_DISTRIBUTED_DEBUG when torch.distributed is imported: in the forkserver,
+    # before this rank's env was set. Read again, so that DETAIL wraps this rank's groups.
+    dist.set_debug_level_from_env()
     os.environ["RANK"] = str(rank)
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)

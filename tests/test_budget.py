@@ -4,17 +4,17 @@
   over 40 code lines, no module over 420; torch's private names (``torch._x``, ``from torch._x
   import``, ``from torch.x import _y``) in ``_torch.py`` only, each behind a name of ours that
   ``tests/test_torch_internals.py`` checks.
-- **Size**: the core package (``shardscale/``, ``integrations/`` left out) holds at most 3,300
-  lines of code. A code line holds a token that is neither a comment nor part of a docstring;
-  attribute docstrings (a string right after an assignment in a class body) are docs, so moving
-  them saves nothing.
+- **Size**: the core package (``shardscale/``, ``integrations/`` left out) holds at most 3,500
+  lines of code (headroom, not a target). A code line holds a token that is neither a comment
+  nor part of a docstring; attribute docstrings (a string right after an assignment in a class
+  body) are docs, so moving them saves nothing.
 - **Cycles**: no import cycle among the package's modules (every import counts, those under
   ``TYPE_CHECKING`` too).
 - **The walk**: one steady training step (the third; rank 0 of 2 gloo ranks, a small replicated
-  model, gradients all-reduced by hand) enters at most 7 of the package's modules and 32 of its
-  functions for a plain step + update, and at most 9 and 48 in every traced case. A reader who
-  follows one step opens these (comprehensions count: they are functions of their own in
-  Python 3.11).
+  model, gradients all-reduced by hand) enters at most 7 of the package's modules for a plain
+  step + update, and at most 9 in every traced case. A reader who follows one step opens these.
+  How many functions it enters is a reading aid, not a budget: a function split out to be read
+  is worth more than one saved (the count is printed by ``../shared/tools/step_walk.py``).
 
 The rules are restated here so that CI runs them from a clean clone. Never squeeze lines to meet
 them: a line saved is a structural change or nothing.
@@ -40,11 +40,11 @@ PACKAGE = Path(shardscale.__file__).resolve().parent
 CORE = sorted(
     f for f in PACKAGE.rglob("*.py") if "integrations" not in f.relative_to(PACKAGE).parts
 )
-CODE_LINES = 3300
+CODE_LINES = 3500
 FUNCTION_LINES, MODULE_LINES = 40, 420
 TORCH_HOME = "_torch.py"
-PLAIN_WALK = (7, 32)  # modules, functions
-ANY_WALK = (9, 48)
+PLAIN_WALK = 7  # modules
+ANY_WALK = 9
 _LAYOUT = {
     tokenize.COMMENT,
     tokenize.NL,
@@ -198,7 +198,7 @@ WALK_CASES = {  # name: (fused, clip, unscale_ first)
 }
 
 
-def _walk(fused: bool, clip: bool, unscale: bool) -> tuple[set[str], set[tuple[str, str]]]:
+def _walk(fused: bool, clip: bool, unscale: bool) -> set[str]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
     options = {"fused": True} if fused else {"foreach": True}
@@ -224,35 +224,28 @@ def _walk(fused: bool, clip: bool, unscale: bool) -> tuple[set[str], set[tuple[s
     one_step()
     one_step()
     modules: set[str] = set()
-    functions: set[tuple[str, str]] = set()
     root = str(PACKAGE) + os.sep
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call" and frame.f_code.co_filename.startswith(root):
-            module = os.path.relpath(frame.f_code.co_filename, PACKAGE)
-            modules.add(module)
-            functions.add((module, frame.f_code.co_qualname))
+            modules.add(os.path.relpath(frame.f_code.co_filename, PACKAGE))
 
     sys.setprofile(profile)
     try:
         one_step()
     finally:
         sys.setprofile(None)
-    return modules, functions
+    return modules
 
 
-def _rank_walks(rank: int, world_size: int) -> dict[str, tuple[list[str], list[str]]]:
-    walks = {}
-    for name, case in WALK_CASES.items():
-        modules, functions = _walk(*case)
-        walks[name] = (sorted(modules), sorted(f"{m}:{f}" for m, f in functions))
-    return walks
+def _rank_walks(rank: int, world_size: int) -> dict[str, list[str]]:
+    return {name: sorted(_walk(*case)) for name, case in WALK_CASES.items()}
 
 
 def test_one_step_walks_within_budget() -> None:
     walks = run_ranks(_rank_walks, 2)[0]
-    for name, (modules, functions) in walks.items():
+    for name, modules in walks.items():
         budget = PLAIN_WALK if name == "plain step" else ANY_WALK
-        over = f"{name} is over its budget of {budget[0]} modules and {budget[1]} functions"
-        assert len(modules) <= budget[0], f"{over}: {len(modules)} modules, {modules}"
-        assert len(functions) <= budget[1], f"{over}: {len(functions)} functions, {functions}"
+        assert len(modules) <= budget, (
+            f"{name} enters {len(modules)} modules, over its budget of {budget}: {modules}"
+        )

@@ -401,10 +401,10 @@ def test_comm_device_keeps_cpu_on_a_group_that_runs_cpu() -> None:
     assert agreement.comm_device(torch.device("cpu")) == torch.device("cpu")
 
 
-def test_on_device_makes_the_scales_device_current_on_the_thread(
+def test_device_path_on_makes_the_scales_device_current_on_the_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from shardscale import async_scaler
+    from shardscale._state import DevicePath
 
     entered: list[int] = []
 
@@ -416,34 +416,30 @@ def test_on_device_makes_the_scales_device_current_on_the_thread(
             yield
 
     monkeypatch.setattr(torch, "get_device_module", lambda device_type: _Module)
-    with async_scaler.on_device(torch.device("cuda", 3)):
+    with DevicePath().on(torch.device("cuda", 3)):
         assert entered == [3]
-    with async_scaler.on_device(torch.device("cpu")), async_scaler.on_device(META):
+    with DevicePath().on(torch.device("cpu")), DevicePath().on(META):  # nothing to make current
         pass
     assert entered == [3]
 
 
 @pytest.mark.usefixtures("world_of_one")
-def test_async_step_runs_under_the_scales_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardscale import AsyncShardedGradScaler, async_scaler
+def test_async_step_runs_under_the_scales_device() -> None:
+    from shardscale import AsyncShardedGradScaler
+    from shardscale.testing import cuda_path
 
-    devices: list[torch.device] = []
-    real = async_scaler.on_device
-
-    def recording(device: torch.device) -> Any:
-        devices.append(device)
-        return real(device)
-
-    monkeypatch.setattr(async_scaler, "on_device", recording)
     param = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([param], lr=0.1)
     scaler = AsyncShardedGradScaler(init_scale=2.0)
-    scaler.scale(param.sum()).backward()
-    thread = threading.Thread(target=scaler.step, args=(optimizer,))
-    thread.start()
-    thread.join()
-    scaler.update()
-    assert devices == [torch.device("cpu")]  # the scale's device, around the step
+    with cuda_path() as path:
+        scaler.scale(param.sum()).backward()
+        thread = threading.Thread(target=scaler.step, args=(optimizer,))
+        thread.start()
+        thread.join()
+        scaler.update()
+    contexts = [event for event in path.events if event[0].startswith("device")]
+    cpu = torch.device("cpu")
+    assert contexts == [("device", cpu), ("device exit", cpu)]  # the scale's, around the step
 
 
 # ------------------------------------------------------------------ P3, P6: host transfers

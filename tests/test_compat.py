@@ -14,7 +14,13 @@ from torch.amp.grad_scaler import OptState
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchShardedGradScaler
 from torch.distributed.tensor import DTensor
 
-from shardscale import AsyncShardedGradScaler, ShardedGradScaler, _compat, count_collectives
+from shardscale import (
+    AsyncShardedGradScaler,
+    ShardedGradScaler,
+    ShardScaleWarning,
+    _compat,
+    count_collectives,
+)
 from tests import setups
 from tests.harness import run_ranks
 
@@ -148,18 +154,55 @@ def test_per_optimizer_states_after_update_empty_as_torch() -> None:
     assert kept[id(optimizer)]["stage"] is OptState.STEPPED
 
 
-def test_per_optimizer_states_after_unscale_reads_the_agreed_flag() -> None:
+def test_per_optimizer_states_after_unscale_reads_this_ranks_flag_with_a_warning() -> None:
+    """Between `unscale_()` and the call that agrees, a read gets this rank's own flag, as
+    torch.amp's (a read never communicates), and says so; after `step()`, the agreed one."""
     scaler = ShardedGradScaler()
     _overflowing_step(scaler, False)  # the first unscale_ agrees at once: this one defers
     scaler.update()
     model, optimizer = setups.scaled_backward(scaler)
     model[2].bias.grad[0] = math.nan
     scaler.unscale_(optimizer)
-    state = scaler._per_optimizer_states[id(optimizer)]
+    with pytest.warns(ShardScaleWarning, match=r"THIS rank's own flag .*torch.amp"):
+        state = scaler._per_optimizer_states[id(optimizer)]
     assert state["stage"] is OptState.UNSCALED
-    assert _skipped(scaler, optimizer) == 1.0
+    with pytest.warns(ShardScaleWarning, match=r"THIS rank's own flag"):
+        assert _skipped(scaler, optimizer) == 1.0
+    with pytest.warns(ShardScaleWarning, match=r"THIS rank's own flag"):
+        assert sum(v.item() for v in scaler._found_inf_per_device(optimizer).values()) == 1.0
     assert scaler.step(optimizer) is None
     assert scaler.last_step_skipped
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # agreed now: no warning
+        assert _skipped(scaler, optimizer) == 1.0
+
+
+def _rank_private_read_between_unscale_and_step(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1's gradients overflow; rank 0 alone reads torch's private flag between unscale_
+    and step (as a script logging on rank 0 does): its own flag, no collective of its own."""
+    scaler = ShardedGradScaler(sync_timeout=10.0)
+    seen = []
+    for step in range(3):  # the first unscale_ agrees at once; the later ones defer
+        model, optimizer = setups.scaled_backward(scaler)
+        if rank == 1 and step == 2:
+            model[0].weight.grad[0, 0] = math.inf
+        scaler.unscale_(optimizer)
+        if rank == 0:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ShardScaleWarning)
+                seen.append(_skipped(scaler, optimizer))
+        scaler.step(optimizer)
+        seen.append(scaler.last_step_skipped)
+        scaler.update()
+    return {"seen": seen, "scale": scaler.get_scale()}
+
+
+def test_private_read_between_unscale_and_step_on_one_rank_communicates_nothing() -> None:
+    rank0, rank1 = run_ranks(_rank_private_read_between_unscale_and_step, 2)
+    # rank 0's own flag at step 3 says clean, the group's says skip: both ranks skipped
+    assert rank0["seen"] == [0.0, False, 0.0, False, 0.0, True]
+    assert rank1["seen"] == [False, False, True]
+    assert rank0["scale"] == rank1["scale"]
 
 
 def test_per_optimizer_states_write_refused() -> None:
@@ -232,7 +275,7 @@ def test_views_not_built_on_steps_nobody_reads(monkeypatch: pytest.MonkeyPatch) 
     def built(*args: object) -> None:
         raise AssertionError("a compatibility view was built on a step nobody read it")
 
-    monkeypatch.setattr(_compat, "state_of", built)
+    monkeypatch.setattr(_compat, "flags_of", built)
     monkeypatch.setattr(_compat, "OptimizerStates", built)
     for flavour in ({}, {"fused": True}):
         scaler = ShardedGradScaler()

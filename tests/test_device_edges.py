@@ -1,15 +1,17 @@
-"""The edges of the device path, run on a CPU: what a GPU would do, seen on ``meta`` and stubs.
+"""The edges of the device path, run on a CPU: what a GPU would do, seen on ``meta``.
 
 The scaler on the ``meta`` device takes every ``device.type != "cpu"`` branch; a dispatch mode
 counts what would synchronise the host (``_local_scalar_dense``) and every meta-to-CPU copy (and
 whether it blocks), and stands in for their values, which meta has none of. Where meta cannot go
-(CUDA events, streams, pinned memory) ``torch.cuda`` is replaced by recorders.
+(CUDA events, streams, pinned memory) the scaler runs under ``shardscale.testing.cuda_path()``,
+and the one class that calls ``torch.cuda`` there (``shardscale._state.DevicePath``) is tested
+against recorders in its place.
 
 Covered here: a fused optimizer over CPU parameters gets its scale and flag on the CPU, copied
-blocking (audit W3); the stats copy's event is recorded on the stream of the state's own device
-(M2), into a pinned buffer of its own (P7); ``get_scale`` reads the device once (P6);
-``last_step_skipped`` reads once after a fused step and never after a non-fused one; the
-accelerate integration reads the skip flag only when asked (P5).
+blocking (audit W3); the stats copy is read only after its wait, one update late (P7), and the
+real path's copy and event are on the stream of the state's own device (M2); ``get_scale``
+reads the device once (P6); ``last_step_skipped`` reads once after a fused step and never after
+a non-fused one; the accelerate integration reads the skip flag only when asked (P5).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import torch
 from torch import nn
 
 from shardscale import ShardedGradScaler
-from tests.devicepath import CudaStubs, DeviceCounter, install_cuda_stubs
+from shardscale._state import DevicePath
+from shardscale.testing import CudaPathLog, cuda_path
+from tests.devicepath import DeviceCounter, install_cuda_stubs
 
 aten = torch.ops.aten
 META = torch.device("meta")
@@ -76,9 +80,10 @@ def _fused_cpu_params_step(scaler: ShardedGradScaler, optimizer: _FusedSpy) -> N
 
 
 @pytest.fixture
-def cuda_stubs(monkeypatch: pytest.MonkeyPatch) -> CudaStubs:
-    """``torch.cuda`` stubs whose current device is cuda:0, never the state's."""
-    return install_cuda_stubs(monkeypatch)
+def on_cuda_path() -> Any:
+    """The scaler on its CUDA path (``shardscale.testing.cuda_path()``), and that path's log."""
+    with cuda_path() as log:
+        yield log
 
 
 # The copy every fused step's update() makes of the alarms' streaks: non-blocking, waited for
@@ -86,7 +91,7 @@ def cuda_stubs(monkeypatch: pytest.MonkeyPatch) -> CudaStubs:
 _WATCH = [True]
 
 
-@pytest.mark.usefixtures("cuda_stubs")
+@pytest.mark.usefixtures("on_cuda_path")
 def test_step_fused_optimizer_over_cpu_params_gets_scale_and_flag_on_cpu_blocking() -> None:
     optimizer = _FusedSpy(_params(torch.device("cpu")))
     scaler = ShardedGradScaler()
@@ -99,7 +104,7 @@ def test_step_fused_optimizer_over_cpu_params_gets_scale_and_flag_on_cpu_blockin
     assert counter.copies == [False, *_WATCH]  # ONE copy to the CPU per step, and it blocks
 
 
-@pytest.mark.usefixtures("cuda_stubs")
+@pytest.mark.usefixtures("on_cuda_path")
 def test_step_fused_optimizer_on_scale_device_gets_no_copy() -> None:
     optimizer = _FusedSpy(_params(META))
     scaler = ShardedGradScaler()
@@ -131,7 +136,7 @@ def _scaled_on_meta(scaler: ShardedGradScaler, optimizer: torch.optim.Optimizer)
     scaler.update()
 
 
-@pytest.mark.usefixtures("cuda_stubs")
+@pytest.mark.usefixtures("on_cuda_path")
 def test_get_scale_on_device_reads_once() -> None:
     scaler = ShardedGradScaler(init_scale=1024.0, min_scale=1.0)
     with DeviceCounter(1024.0) as counter:
@@ -141,7 +146,7 @@ def test_get_scale_on_device_reads_once() -> None:
         assert counter.syncs - before == 1
 
 
-@pytest.mark.usefixtures("cuda_stubs")
+@pytest.mark.usefixtures("on_cuda_path")
 @pytest.mark.parametrize(
     ("optimizer_class", "reads"), [(_FusedSpy, 1), (_PlainSpy, 0)], ids=["fused", "plain"]
 )
@@ -159,39 +164,68 @@ def test_last_step_skipped_on_device_reads_once_after_fused_never_after_plain(
 # ---------------------------------------------------------------- M2, P7: the stats copy on a GPU
 
 
-def test_stats_copy_event_on_state_device_stream_hooks_one_update_late(
-    cuda_stubs: CudaStubs,
-) -> None:
+def test_stats_hooks_one_update_late_each_after_its_copy_landed(on_cuda_path: CudaPathLog) -> None:
     scaler = ShardedGradScaler(max_consecutive_skips=100)
     delivered: list[int] = []
     scaler.register_stats_hook(lambda stats: delivered.append(stats.steps))
-    scaler.register_stats_hook(lambda stats: cuda_stubs.log.append(("hook", stats.steps)))
+    scaler.register_stats_hook(lambda stats: on_cuda_path.note("hook", stats.steps))
     optimizer = _FusedSpy(_params(META))
     with DeviceCounter() as counter:
-        counter.log = cuda_stubs.log
         for step in (1, 2, 3):
             counter.value = float(step)  # what this update's copy brings to the host
             _scaled_on_meta(scaler, optimizer)
             assert delivered == list(range(1, step))  # each step's numbers one update late
         assert scaler.stats.steps == 3  # reading stats delivers the step still in flight
     assert delivered == [1, 2, 3]
-    assert cuda_stubs.pinned == 3  # one small pinned buffer per update, the packed state, whose
-    # streaks the alarms read too (the host allocator caches them: the copy in flight keeps its
-    # own, so no update waits for one)
-    copy_at = [i for i, entry in enumerate(cuda_stubs.log) if entry[0] == "copy"]
-    for i in copy_at:  # the copy under the state's device, the event on its stream
-        assert cuda_stubs.log[i - 1] == ("device", META)
-        assert cuda_stubs.log[i + 1] == ("record", META)
-    # each step is read only after its event was waited for
-    hooks = [i for i, entry in enumerate(cuda_stubs.log) if entry[0] == "hook"]
-    assert all(cuda_stubs.log[i - 1] == ("synchronize", None) for i in hooks)
+    events = [what for what, _ in on_cuda_path.events if what in ("copy", "wait", "hook")]
+    # one copy an update (the stats, whose counters the alarms read too); each step's hook
+    # after the wait for its copy, never before (a read before it would read NaN)
+    assert events == ["copy", "wait", "hook", "copy", "wait", "hook", "copy", "wait", "hook"]
+
+
+def test_real_path_copies_on_the_states_device_stream_into_pinned_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`DevicePath.copy_late`, the one place that calls CUDA's events and streams: the copy
+    under the tensor's own device (not the current one, cuda:0 on a new thread), the event on
+    that device's stream, the host buffer pinned, and the read only after the event's wait."""
+    stubs = install_cuda_stubs(monkeypatch)
+    with DeviceCounter(7.0) as counter:
+        counter.log = stubs.log
+        landing = DevicePath().copy_late(torch.ones(3, device=META))
+        assert stubs.log == [
+            ("device", META),
+            ("copy", 7.0),
+            ("record", META),
+            ("device exit", META),
+        ]
+        assert landing.values() == [7.0, 7.0, 7.0]
+        assert landing.values() == [7.0, 7.0, 7.0]  # read once, remembered
+    assert stubs.log[-1] == ("synchronize", None)
+    assert stubs.log.count(("synchronize", None)) == 1
+    assert stubs.pinned == 1
+    assert DevicePath().reads_late(torch.device("cuda", 1))
+    assert not DevicePath().reads_late(torch.device("cpu"))
+    assert not DevicePath().reads_late(META)  # meta is no GPU: the seam, not the library, says so
+
+
+def test_real_path_checks_capture_on_the_states_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    stubs = install_cuda_stubs(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    cuda3 = torch.device("cuda", 3)
+    assert DevicePath().capturing(cuda3)
+    assert stubs.log == [("device", cuda3), ("device exit", cuda3)]  # its stream, not cuda:0's
+    assert not DevicePath().capturing(torch.device("cpu"))  # no stream to capture
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert not DevicePath().capturing(cuda3)  # CUDA never started: nothing can capture
 
 
 # ---------------------------------------------------------------- P5: accelerate asks, or not
 
 
 @pytest.mark.integration  # runs accelerate itself
-@pytest.mark.usefixtures("cuda_stubs")
+@pytest.mark.usefixtures("on_cuda_path")
 @pytest.mark.parametrize(
     ("optimizer_class", "step_reads", "asked_reads"),
     [(_FusedSpy, 0, 1), (_PlainSpy, 1, 0)],

@@ -22,15 +22,14 @@ from typing import Any
 import pytest
 import torch
 
+from shardscale.testing import CudaPathLog, cuda_path
 from tests.devicepath import (
     CASES,
     META,
     Case,
     Counts,
-    CudaStubs,
     DeviceCounter,
     Fused,
-    install_cuda_stubs,
     measure,
     measure_torch,
     meta_params,
@@ -71,8 +70,10 @@ def _table(path: Path, columns: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
 
 
 @pytest.fixture
-def stubs(monkeypatch: pytest.MonkeyPatch) -> CudaStubs:
-    return install_cuda_stubs(monkeypatch)
+def path() -> Any:
+    """The CUDA path on ``meta`` tensors (``shardscale.testing.cuda_path()``), and its log."""
+    with cuda_path() as log:
+        yield log
 
 
 # ---------------------------------------------------------------- the docs' table, row by row
@@ -84,9 +85,9 @@ def test_guides_device_table_lists_every_case_once() -> None:
 
 
 @pytest.mark.parametrize("label", list(CASES))
-def test_guides_device_table_row_matches_measured_counts(label: str, stubs: CudaStubs) -> None:
+def test_guides_device_table_row_matches_measured_counts(label: str, path: CudaPathLog) -> None:
     documented = _table(ROOT / "docs" / "guides.md", COLUMNS)[label]
-    measured = measure(CASES[label], stubs=stubs)
+    measured = measure(CASES[label], path=path)
     assert measured.row() == documented, (
         f"docs/guides.md says {label!r} costs {documented}, the code costs {measured.row()} "
         f"({', '.join(COLUMNS[1:])}); fix the code or the table"
@@ -196,11 +197,13 @@ def test_fused_stub_is_handed_the_scale_and_flag_on_meta() -> None:
     assert (grad_scale.device, found_inf.device) == (META, META)
 
 
-def test_stats_hook_case_runs_the_accelerator_branch(stubs: CudaStubs) -> None:
-    measure(CASES["fused: a stats hook"], stubs=stubs)
-    assert stubs.pinned == 3  # one per update of the case's 3 steps
-    assert stubs.records
-    assert all(device == META for device in stubs.records)
+def test_stats_hook_case_runs_the_accelerator_branch(path: CudaPathLog) -> None:
+    measure(CASES["fused: a stats hook"], path=path)
+    copies = [detail for what, detail in path.events if what == "copy"]
+    assert copies == [META] * 3  # one per update of the case's 3 steps, of the state on meta
+    # each update waits for the one before's copy (the stats and the alarms' trigger in one);
+    # the last copy is still on its way
+    assert path.waits == 2
 
 
 # ---------------------------------------------------------------- beside torch's scalers

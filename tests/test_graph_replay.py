@@ -8,8 +8,8 @@ loss" from it, and every replayed step was skipped with the scale held.
 
 ``Recording`` gives a CPU run the same semantics: it records the aten ops of a region and replays
 them on the same tensors, writing what an op allocated into the tensor it allocated when
-recorded. The scaler is told a capture is under way (the two ``torch.cuda`` queries it asks)
-while the region is recorded.
+recorded. The scaler runs its CUDA path (``shardscale.testing.cuda_path()``), whose capture
+check says a capture is under way while the region is recorded.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardscale import ShardedGradScaler
+from shardscale.testing import cuda_path
 
 
 def _flat(tree: Any) -> list[Any]:
@@ -64,42 +64,42 @@ def _iteration(model: nn.Module, scaler: ShardedGradScaler, step: int) -> None:
             model.weight.grad[0, 0] = math.inf
 
 
-def _train(replay: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], list[Any]]:
-    """Six iterations; with ``replay``, step + update of iterations 4 to 6 are replays of the
-    third's, captured while its loss was inf. SGD, whose step is proportional to the gradient:
-    one divided by another scale than its loss's moves otherwise."""
+def _train(replay: bool) -> tuple[list[float], list[Any]]:
+    """Six iterations on the CUDA path (``shardscale.testing.cuda_path()``); with ``replay``,
+    step + update of iterations 4 to 6 are replays of the third's, captured while its loss was
+    inf. SGD, whose step is proportional to the gradient: one divided by another scale than its
+    loss's moves otherwise."""
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, fused=True)
     scaler = ShardedGradScaler(init_scale=2.0**8, growth_interval=1000)
     graph, scales = None, []
-    for step in range(6):
-        optimizer.zero_grad(set_to_none=False)
-        _iteration(model, scaler, step)
-        if graph is not None:
-            graph.replay()
-        elif replay and step == 2:
-            graph = Recording()
-            with monkeypatch.context() as patch, graph:
-                patch.setattr(torch.cuda, "is_initialized", lambda: True)
-                patch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with cuda_path() as path:
+        for step in range(6):
+            optimizer.zero_grad(set_to_none=False)
+            _iteration(model, scaler, step)
+            if graph is not None:
+                graph.replay()
+            elif replay and step == 2:
+                graph = Recording()
+                path.capturing = True  # what the scaler's capture check now answers
+                with graph:
+                    scaler.step(optimizer)
+                    scaler.update()
+                path.capturing = False
+            else:
                 scaler.step(optimizer)
                 scaler.update()
-        else:
-            scaler.step(optimizer)
-            scaler.update()
-        scales.append(scaler.get_scale())
+            scales.append(scaler.get_scale())
     return scales, [p.detach().clone() for p in model.parameters()]
 
 
-def test_replayed_step_reads_each_iterations_scale_and_loss_bit(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_replayed_step_reads_each_iterations_scale_and_loss_bit() -> None:
     """The replays read each iteration's own loss bit (not the captured one: every replay was
     skipped as a forward overflow) and scale (they back off on the overflow, then divide by the
     scale the next losses were multiplied by): bit for bit the eager run."""
-    eager_scales, eager_params = _train(False, monkeypatch)
-    replayed_scales, replayed_params = _train(True, monkeypatch)
+    eager_scales, eager_params = _train(False)
+    replayed_scales, replayed_params = _train(True)
     assert eager_scales == [256.0, 256.0, 256.0, 128.0, 128.0, 128.0]
     assert replayed_scales == eager_scales
     for eager, replayed in zip(eager_params, replayed_params, strict=True):

@@ -26,7 +26,8 @@ from shardscale import (
     ShardScaleSkipError,
     ShardScaleWarning,
 )
-from tests.devicepath import META, CudaStubs, DeviceCounter, Fused, install_cuda_stubs, meta_params
+from shardscale.testing import cuda_path
+from tests.devicepath import META, DeviceCounter, Fused, meta_params
 from tests.harness import run_ranks
 
 Make = Callable[[float], Any]
@@ -292,17 +293,13 @@ def _fused_meta_steps(
     return syncs
 
 
-def test_range_alarm_on_a_gpu_reads_nothing_while_quiet_and_sounds_one_update_late(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """On the device path (meta, `torch.cuda` stubs): a fused step's streaks are copied without
-    waiting and read at the next update; only once that copy shows a streak does an update read
-    them (a sync), and then the alarm sounds on what it read."""
-    stubs: CudaStubs = install_cuda_stubs(monkeypatch)
+def test_range_alarm_on_a_gpu_reads_nothing_while_quiet_and_sounds_one_update_late() -> None:
+    """On the device path (meta, `shardscale.testing.cuda_path()`): a fused step's streaks are
+    copied without waiting and read at the next update; only once that copy shows a streak does
+    an update read them (a sync), and then the alarm sounds on what it read."""
     optimizer = Fused(meta_params())
     scaler = ShardedGradScaler()
-    with DeviceCounter() as counter:
-        stubs.counter = counter
+    with cuda_path(), DeviceCounter() as counter:
         assert _fused_meta_steps(scaler, optimizer, counter, [0.0] * 4) == [0, 0, 0, 0]
         # step 5's streaks (as copied) are at the limit; its own update has not read them
         assert _fused_meta_steps(scaler, optimizer, counter, [8.0]) == [0]
