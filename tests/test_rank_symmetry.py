@@ -23,11 +23,14 @@ timeout. A persistent NaN must raise `ShardScaleNonFiniteError` on both ranks at
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import itertools
 import logging
 import math
+import random
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardscale import ShardedGradScaler, ShardScaleNonFiniteError
+from shardscale import AsyncShardedGradScaler, ShardedGradScaler, ShardScaleNonFiniteError
 from shardscale.testing import cuda_path
 from tests.harness import run_ranks
 
@@ -51,9 +54,10 @@ _COLLECTIVES += ("all_gather_object", "reduce_scatter_tensor", "all_to_all_singl
 
 
 @contextmanager
-def recorded_collectives() -> Iterator[list[tuple[Any, ...]]]:
+def recorded_collectives(own_group_only: bool = False) -> Iterator[list[tuple[Any, ...]]]:
     """Every collective this process issues through `torch.distributed`, in order: its name,
-    the shapes and dtypes of its tensors, its reduction; then it runs, unchanged."""
+    the shapes and dtypes of its tensors, its reduction; then it runs, unchanged.
+    `own_group_only`: those on groups other than the default one only (an async scaler's)."""
     log: list[tuple[Any, ...]] = []
     lock = threading.Lock()
 
@@ -62,8 +66,10 @@ def recorded_collectives() -> Iterator[list[tuple[Any, ...]]]:
         def run(*args: Any, **kwargs: Any) -> Any:
             tensors = [a for a in _flat(args) if isinstance(a, torch.Tensor)]
             shapes = tuple((tuple(t.shape), str(t.dtype)) for t in tensors)
-            with lock:
-                log.append((name, shapes, str(kwargs.get("op", ""))))
+            group = kwargs.get("group")
+            if not own_group_only or group not in (None, dist.group.WORLD):
+                with lock:
+                    log.append((name, shapes, str(kwargs.get("op", ""))))
             return real(*args, **kwargs)
 
         return run
@@ -189,3 +195,76 @@ def test_rank_symmetry_rank_0_observing_issues_the_same_collectives(pattern: str
         if case[1] == "interval":  # at the floor throughout: the floor warning named the
             gathers = [c for c in mine["collectives"] if c[0] == "all_gather"]
             assert gathers, case  # parameter, with a gather, on both ranks
+
+
+def _rank_async(rank: int, world_size: int, pattern: str) -> dict[str, Any]:
+    """The async scaler: the optimizer steps on a thread of its own, `update()` often comes
+    first; rank 0 alone has a hook, the log at INFO and a thread reading `stats` throughout.
+    Every collective on the scaler's own group is recorded; the error, on whichever thread."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.named_parameters(), lr=1e-3, fused=True)
+    scaler = AsyncShardedGradScaler(init_scale=2.0**-24, sync_timeout=10.0)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    stop, errors = threading.Event(), []
+    watching = "hook and log" if rank == 0 else None
+
+    def reader() -> None:
+        while rank == 0 and not stop.is_set():
+            scaler.stats  # noqa: B018 (a read, thrown away)
+            time.sleep(0.0005)
+
+    def optimizer_step(step: int) -> None:
+        time.sleep(random.Random(step).random() * 0.002)  # let update() often come first
+        try:
+            scaler.step(optimizer)
+        except ShardScaleNonFiniteError as error:
+            errors.append((step, str(error)))
+
+    watcher = threading.Thread(target=reader)
+    recording = recorded_collectives(own_group_only=True)
+    with cuda_path(), recording as log, _observing(scaler, watching), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        watcher.start()
+        try:
+            for step in range(1, STEPS + 1):
+                _async_iteration(model, scaler, step, pattern)
+                stepped = pool.submit(optimizer_step, step)
+                try:
+                    scaler.update()  # often before the step has agreed: its update waits
+                except ShardScaleNonFiniteError as error:
+                    errors.append((step, str(error)))
+                stepped.result(timeout=60)  # whichever thread applied the update, it is done
+                if errors:
+                    break
+        finally:
+            stop.set()
+            watcher.join()
+            pool.shutdown()
+    return {"collectives": log, "errors": errors}
+
+
+def _async_iteration(model: nn.Module, scaler: ShardedGradScaler, step: int, pattern: str) -> None:
+    """Forward and backward, gradients made the same on every rank, a NaN where `pattern` says."""
+    for param in model.parameters():
+        param.grad = None
+    inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+    scaler.scale(model(inputs).pow(2).mean()).backward()
+    for param in model.parameters():
+        dist.all_reduce(param.grad)  # type: ignore[arg-type]
+    if pattern == "every step" or step % 2 == 0:
+        model[2].weight.grad[0, 1] = math.nan  # type: ignore[index]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_rank_symmetry_async_scaler_rank_0_observing_issues_the_same_collectives(
+    pattern: str,
+) -> None:
+    rank0, rank1 = run_ranks(_rank_async, 2, pattern, timeout_s=120, env=DETAIL)
+    assert rank0["collectives"] == rank1["collectives"]
+    assert len(rank0["collectives"]) >= 8  # a flag all-reduce a step, and the alarms' gathers
+    assert [step for step, _ in rank0["errors"]] == [step for step, _ in rank1["errors"]]
+    if pattern == "every step":
+        assert rank0["errors"][0][0] == 8
+        assert rank0["errors"] == rank1["errors"]
+    else:
+        assert rank0["errors"] == []
