@@ -126,8 +126,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         verify_every: call
             [`verify_agreement()`][shardscale.ShardedGradScaler.verify_agreement] every N steps
             (one small collective and one host sync each time). 0, the default: never.
-        max_consecutive_skips: raise [`ShardScaleSkipError`][shardscale.ShardScaleSkipError] (naming
-            the step and the scale) when more consecutive steps than this are skipped (forward
+        max_consecutive_skips: raise [`ShardScaleSkipError`][shardscale.ShardScaleSkipError] on
+            every rank, at the same `update()` (naming the step, the scale and where the
+            non-finite values are), when more consecutive steps than this are skipped (forward
             overflows included), instead of skipping forever. None, the default: no limit. A
             streak of 8 non-finite losses warns once, naming the ranks, whatever this says.
         max_overflows_at_floor: raise
@@ -651,9 +652,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """Call `hook(stats)` after every `update()` that counted a step.
 
         For TensorBoard / W&B: `stats` is a [`ScalerStats`][shardscale.ScalerStats]. On the CPU
-        the hook runs inside that update(); on an accelerator it runs one update() later (or when
+        the hook runs inside that update(); on CUDA it runs one update() later (or when
         [`stats`][shardscale.ShardedGradScaler.stats] is read), so that reading the numbers
-        never stalls the step.
+        never stalls the step. A hook on one rank alone (rank 0's logging) changes nothing the
+        ranks communicate.
 
         Returns:
             A handle whose `remove()` unregisters the hook.
