@@ -38,6 +38,9 @@ _LOG_RANGE = (BIN_LOW - 1, BIN_LOW + BINS - 1)
 # The slots below UNDERFLOW_BELOW: 0 .. _BELOW - 1.
 _BELOW = int(math.log2(UNDERFLOW_BELOW)) - BIN_LOW + 1
 Groups = tuple[GradGroups | NormGroups, ...]
+# A NaN peak, as it travels in the fit's slot: float32's largest value, which a MAX keeps (a NaN
+# it may drop, by the backend's order of operands) and an inf beats (an overflow outranks a NaN).
+NAN_MARK = float(torch.finfo(torch.float32).max)
 
 
 def _logs(values: torch.Tensor, scale: torch.Tensor | float | None) -> torch.Tensor:

@@ -91,16 +91,35 @@ def _number(state_dict: Mapping[str, Any], key: str, kind: type[int] | type[floa
     return (check_int if kind is int else check_real)(f"state_dict[{key!r}]", value)
 
 
-def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> ScalerState:
-    """Validate `state_dict` whole and return the state it describes.
+def parse_state_dict(
+    state_dict: Mapping[str, Any], current: ScalePolicy, chosen: frozenset[str] = frozenset()
+) -> tuple[ScalerState, list[str]]:
+    """Validate `state_dict` whole and return the state it describes, under the settings that
+    win, with a line for each setting the checkpoint and the loading scaler disagree on.
+
+    Which wins: torch's keys (`growth_factor`, `backoff_factor`, `growth_interval`) are the
+    checkpoint's, as torch's scalers load them. Of shardscale's settings (`hysteresis`,
+    `min_scale`, `max_scale`, `dynamic`, `scale_policy`), those the resuming run chose (given
+    to its scaler, other than their defaults: `chosen`) stay its own, so that a run resumed to
+    lower `min_scale`, or to switch to the fit, gets what it asked for; the others are the
+    checkpoint's, so that a scaler built with defaults resumes as it was saved. The state (the
+    scale, the trackers, the counters, the fit's learned state) is the checkpoint's, brought
+    within the settings that won: a scale clamped to `[min_scale, max_scale]`, a hysteresis
+    allowance to `hysteresis`.
 
     Args:
         state_dict: from `state_dict()` of this class or of a torch scaler.
-        current: the loading scaler's policy, kept for settings a torch state dict lacks.
+        current: the loading scaler's policy.
+        chosen: the policy attributes of shardscale's settings the loading scaler was given
+            other than their defaults (`ScalerConfig.chosen`).
+
+    Returns:
+        The state, and one line per setting that differed (empty: none did), for a warning.
 
     Raises:
         RuntimeError: the dict is empty (saved by a disabled scaler), as torch words it.
-        ValueError: keys are missing or unknown, or a value breaks a rule (named with the value).
+        ValueError: keys are missing or unknown, or a value breaks a rule (named with the value):
+            the checkpoint is checked whole, under its own settings.
         TypeError: a value has the wrong type.
     """
     if not isinstance(state_dict, Mapping):
@@ -116,12 +135,49 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: ScalePolicy) -> Sca
     scale = _number(state_dict, "scale", float)
     if not math.isfinite(scale) or scale <= 0.0:
         raise ValueError(f"state_dict['scale'] must be finite and > 0, got {scale}")
-    policy = replace(current, **policy_changes)  # ScalePolicy validates the settings
-    tracker = policy.hysteresis if hysteresis_tracker is None else hysteresis_tracker
+    saved = replace(current, **policy_changes)  # ScalePolicy validates the settings
+    tracker = saved.hysteresis if hysteresis_tracker is None else hysteresis_tracker
     growth_tracker = _number(state_dict, "_growth_tracker", int)
     scale_state = ScaleState(scale, growth_tracker, tracker, **fit_state)
-    policy.check_state(scale_state)
-    return ScalerState(policy=policy, scale=scale_state, counters=_counters(state_dict))
+    saved.check_state(scale_state)  # whole, as it was saved
+    kept = replace(current, **{k: v for k, v in policy_changes.items() if k not in chosen})
+    differences = _differences(current, saved, chosen)
+    within = min(max(scale, kept.min_scale), kept.max_scale)
+    if within != scale:
+        differences.append(f"the checkpoint's scale {scale:g} becomes {within:g}, within them")
+    trackers = {"scale": within, "hysteresis_tracker": min(tracker, kept.hysteresis)}
+    state = ScalerState(kept, replace(scale_state, **trackers), _counters(state_dict))
+    return state, differences
+
+
+# The settings a checkpoint may disagree with the loading scaler on: torch's (the checkpoint's
+# always win), and shardscale's, by the policy's attribute and the state-dict key.
+_TORCH_SETTINGS = ("growth_factor", "backoff_factor", "growth_interval")
+_OUR_SETTINGS = {"hysteresis": "hysteresis", "min_scale": "min_scale", "max_scale": "max_scale"}
+_OUR_SETTINGS |= {"dynamic": "dynamic", "fit": "scale_policy"}
+
+
+def _differences(current: ScalePolicy, saved: ScalePolicy, chosen: frozenset[str]) -> list[str]:
+    """Each setting the loading scaler's policy and the checkpoint's disagree on: both values,
+    and which won."""
+    lines = []
+    for name, key in {**{k: k for k in _TORCH_SETTINGS}, **_OUR_SETTINGS}.items():
+        mine, theirs = getattr(current, name), getattr(saved, name)
+        if name == "fit":
+            mine, theirs = SCALE_POLICIES[mine], SCALE_POLICIES[theirs]
+        if mine == theirs:
+            continue
+        if name in chosen:
+            lines.append(
+                f"this scaler's {key}={mine!r} (its argument) is kept over the "
+                f"checkpoint's {theirs!r}"
+            )
+        else:
+            default = "" if name in _TORCH_SETTINGS else " (its default)"
+            lines.append(
+                f"the checkpoint's {key}={theirs!r} replaces this scaler's {mine!r}{default}"
+            )
+    return lines
 
 
 def _version(state_dict: Mapping[str, Any]) -> int:

@@ -188,6 +188,25 @@ def torch_view(instead: str) -> Callable[[Callable[[Any], Any]], Any]:
     return make
 
 
+def start_value(field: str) -> Any:
+    """torch's `_init_scale` (`field` "scale") or `_init_growth_tracker` ("growth_tracker"): the
+    value the state starts from when it is put on a device. Writing it is effective until the
+    first `scale()`, as torch's, and checked: a scale the policy can hold; a tracker any int
+    >= 0, as torch takes it (its own tests write 7 with `growth_interval` 1: a tracker at or
+    past the interval grows the scale at the next clean step)."""
+    name = f"_init_{field}"
+
+    def write(scaler: Any, value: Any) -> None:
+        if field == "scale":
+            scaler.policy.check_scale(name, float(value))
+            value = float(value)
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        scaler._home.set_start(**{field: value})
+
+    return property(lambda scaler: getattr(scaler._home.host.scale, field), write)
+
+
 def torch_alias(getter: str, setter: str) -> Any:
     """torch's private attribute for a setting: reading is `getter()`, writing `setter()`."""
     return property(

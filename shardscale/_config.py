@@ -129,6 +129,13 @@ class ScalerConfig:
             fit=self.scale_policy == "fit",
         )
 
+    def chosen(self) -> frozenset[str]:
+        """The policy attributes of shardscale's own settings given other than their defaults:
+        on resume they stay this scaler's (`shardscale._checkpoint.parse_state_dict`)."""
+        policy, default = self.policy(), ScalerConfig().policy()
+        names = ("hysteresis", "min_scale", "max_scale", "dynamic", "fit")
+        return frozenset(n for n in names if getattr(policy, n) != getattr(default, n))
+
     def first_scale(self) -> float:
         """`init_scale`, or its default: `2.0**16`, 1.0 for a static scale."""
         if self.init_scale is not None:

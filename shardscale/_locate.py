@@ -21,8 +21,11 @@ below fp16's normal range, by `shardscale._bins`' one definition of "underflow".
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,6 +37,7 @@ from torch import nn
 
 from shardscale._bins import underflow_counts
 from shardscale._config import timeout_option
+from shardscale._errors import ShardScaleWarning
 from shardscale._exchange import Exchange
 from shardscale._grads import move, original_slices
 from shardscale._policy import check_real
@@ -316,9 +320,10 @@ class UnderflowingActivation:
     dtype: str
 
     @property
-    def fraction(self) -> float:
-        """`num_underflowing / num_nonzero` (0 without a counted element)."""
-        return self.num_underflowing / self.num_nonzero if self.num_nonzero else 0.0
+    def fraction(self) -> float | None:
+        """`num_underflowing / num_nonzero`; None without a counted element (nothing measured:
+        a gradient of zeros, or beyond the bins' range)."""
+        return self.num_underflowing / self.num_nonzero if self.num_nonzero else None
 
 
 class ActivationWatch:
@@ -329,15 +334,23 @@ class ActivationWatch:
         self._model, self._exchange = model, exchange
         self._handles: list[Any] = []
         self._open = False
-        # (name, tensor) hooked already: a wrapper's output is its inner module's, same name
-        self._hooked: set[tuple[str, int]] = set()
+        # (name, id(tensor)) hooked already, while that tensor lives (a wrapper's output is its
+        # inner module's, same name): the entry goes with the tensor, so that a later pass's
+        # tensor at the same address (CPython reuses ids) is hooked too
+        self._hooked: dict[tuple[str, int], weakref.ref[torch.Tensor]] = {}
         # per module: its counts on the device, [below, counted, non-zero], its elements, dtype
         self._counts: dict[str, tuple[torch.Tensor, int, str]] = {}
-        self.records: list[UnderflowingActivation] = []
+        self._outputs = 0  # module outputs hooked while open (0 at closing: no forward ran)
+        self.records: list[UnderflowingActivation] | None = None
         """Every module whose output's gradient the backward reached, the worst (the largest
-        fraction below 2^-14) first; identical on every rank. Empty until the watch closes."""
+        fraction below 2^-14) first; identical on every rank. None until the watch closes, and
+        where it measured nothing (no backward reached a watched output: a warning says so)."""
 
     def __enter__(self) -> ActivationWatch:
+        """Open (again): every reading starts from zero, the last one's records dropped."""
+        self._hooked.clear()
+        self._counts.clear()
+        self._outputs, self.records = 0, None
         self._open = True
         for name, module in _unwrapped(self._model).named_modules():
             clean = clean_name(name + ".").removesuffix(".")  # a wrapper's inner module too
@@ -350,11 +363,17 @@ class ActivationWatch:
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             for tensor in _tensors_in(output):
-                if self._open and tensor.requires_grad and (name, id(tensor)) not in self._hooked:
-                    self._hooked.add((name, id(tensor)))
+                key = (name, id(tensor))
+                if self._open and tensor.requires_grad and key not in self._hooked:
+                    self._hooked[key] = weakref.ref(tensor, functools.partial(self._forget, key))
+                    self._outputs += 1
                     tensor.register_hook(lambda grad: self._count(name, grad))  # type: ignore[no-untyped-call]
 
         return hook
+
+    def _forget(self, key: tuple[str, int], _freed: object = None) -> None:
+        """A hooked output was freed: its id may come back, for another tensor."""
+        self._hooked.pop(key, None)
 
     def _count(self, name: str, grad: torch.Tensor) -> None:
         """Add `grad`'s counts to `name`'s, on its device: no host read during the backward."""
@@ -378,17 +397,37 @@ class ActivationWatch:
         if exc[0] is not None:
             return
         near = [counts.device for counts, _elements, _dtype in self._counts.values()]
-        gathered = self._exchange.gather_objects(
-            _read_counts(self._counts), None, "their activation gradient counts", near
+        mine = (self._outputs, _read_counts(self._counts))
+        gathered = cast(
+            list[tuple[int, dict[str, list[Any]]]],
+            self._exchange.gather_objects(mine, None, "their activation gradient counts", near),
         )
+        if not any(outputs for outputs, _ in gathered):  # every rank alike: they gathered
+            raise RuntimeError(_NO_FORWARD)
         totals: dict[str, list[Any]] = {}
-        for ranks_counts in cast(list[dict[str, list[Any]]], gathered):
+        for _, ranks_counts in gathered:
             for name, (below, counted, nonzero, elements, dtype) in ranks_counts.items():
                 total = totals.setdefault(name, [0, 0, 0, dtype])
                 total[0], total[1] = total[0] + below, total[1] + counted
                 total[2] += elements - nonzero
+        if not totals:
+            warnings.warn(_NO_BACKWARD, ShardScaleWarning, stacklevel=2)
+            return
         records = [UnderflowingActivation(name, *total) for name, total in totals.items()]
         self.records = sorted(records, key=_worst_first)
+
+
+_NO_FORWARD = (
+    "watch_activations(): no forward ran inside the watch, on any rank, so no gradient could be "
+    "watched: it hooks each module's forward, then the gradient of its output in the backward. "
+    "Enter it before the forward of the iteration to watch (around forward and backward), not "
+    "after it"
+)
+_NO_BACKWARD = (
+    "watch_activations(): a forward ran inside the watch but no backward reached a watched "
+    "module's output (no backward inside it, or no output required grad): nothing was "
+    "measured, and records is None. Run the backward inside the watch too"
+)
 
 
 def _read_counts(counts: dict[str, tuple[torch.Tensor, int, str]]) -> dict[str, list[Any]]:
@@ -418,8 +457,9 @@ def _tensors_in(output: Any) -> Iterator[torch.Tensor]:
 
 
 def _worst_first(record: UnderflowingActivation) -> tuple[float, int]:
-    """The largest fraction below 2^-14 first; then the most elements there."""
-    return (-record.fraction, -record.num_underflowing)
+    """The largest fraction below 2^-14 first; then the most elements there; the records
+    without a fraction (nothing counted) last."""
+    return (-(record.fraction if record.fraction is not None else -1.0), -record.num_underflowing)
 
 
 def watch_activations(

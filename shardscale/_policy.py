@@ -36,8 +36,9 @@ The fit, `scale_policy="fit"`, in its place (a forward overflow moves nothing he
 # above it; the window: the last 16 steps, newest first
 window = [0 if found_inf else seen] + window[:-1]
 if found_inf:
-    if max(old window) > 0:                        # the window said this scale was safe:
+    if max(old window) > 0 and not nan:            # the window said this scale was safe:
         margin = min(margin + 1, FIT_MAX_MARGIN)   # learn: the backward needs more room
+                                                   # (not from a NaN: a bug's signature)
     if hysteresis_tracker > 1:
         hysteresis_tracker -= 1
     else:                                          # 1, 2, 4, 8, then 16 halvings at a time
@@ -279,7 +280,12 @@ class ScalePolicy:
         return ScaleState(scale=_f32(scale), growth_tracker=0, hysteresis_tracker=self.hysteresis)
 
     def next(
-        self, state: ScaleState, found_inf: bool, forward: bool = False, seen: float = 0.0
+        self,
+        state: ScaleState,
+        found_inf: bool,
+        forward: bool = False,
+        seen: float = 0.0,
+        nan: bool = False,
     ) -> ScaleState:
         """Return the state after one step; the definition of both rules (see the module), the
         reference the device maths ([`update_()`][update_]) is tested against.
@@ -290,11 +296,14 @@ class ScalePolicy:
                 step was skipped and nothing moves, whatever `found_inf` says.
             seen: the fit's bound of the step's largest unscaled gradient: the power of two just
                 above it (0: no non-zero gradient). Ignored by the interval rule.
+            nan: the overflow the fit read was a NaN (no inf): a bug's signature, not evidence
+                of fp16's range, so the fit's margin does not widen for it. Ignored by the
+                interval rule.
         """
         if not self.dynamic or forward:
             return state
         if self.fit:
-            return self._next_fit(state, found_inf, seen)
+            return self._next_fit(state, found_inf, seen, nan)
         scale, growth, hysteresis = state.scale, state.growth_tracker, state.hysteresis_tracker
         if found_inf:
             growth = 0
@@ -312,7 +321,7 @@ class ScalePolicy:
                     scale = min(grown, _f32(self.max_scale))
         return replace(state, scale=scale, growth_tracker=growth, hysteresis_tracker=hysteresis)
 
-    def _next_fit(self, state: ScaleState, found_inf: bool, seen: float) -> ScaleState:
+    def _next_fit(self, state: ScaleState, found_inf: bool, seen: float, nan: bool) -> ScaleState:
         """`next()` under the fit (the module's second rule)."""
         window = (0.0 if found_inf else seen, *state.window[:-1])
         if not found_inf:
@@ -323,7 +332,7 @@ class ScalePolicy:
             return replace(
                 state, scale=scale, hysteresis_tracker=self.hysteresis, window=window, streak=0
             )
-        margin = min(state.margin + (max(state.window) > 0), FIT_MAX_MARGIN)
+        margin = min(state.margin + (max(state.window) > 0 and not nan), FIT_MAX_MARGIN)
         scale, hysteresis = state.scale, state.hysteresis_tracker
         if hysteresis > 1:
             hysteresis -= 1
@@ -396,6 +405,7 @@ class ScalePolicy:
         fit: torch.Tensor,
         flags: torch.Tensor,
         seen: torch.Tensor,
+        nan: torch.Tensor,
     ) -> None:
         """Apply the fit's [`next()`][next] in place, on the device, without a host sync.
 
@@ -405,12 +415,14 @@ class ScalePolicy:
             fit: float32 `[margin, streak, window...]`: the fit's fields of
                 [`ScaleState`][shardscale.ScaleState].
             flags: the agreed float32 `[skip, forward overflow]`, each 0.0 or 1.0.
-            seen: float32 scalar, the step's largest unscaled gradient bound (0 where none).
+            seen: float32 scalar, the step's largest unscaled gradient bound (0 where none;
+                anything, inf included, on an overflow step, where it is not read).
+            nan: bool scalar, the overflow the fit read was a NaN: the margin holds.
         """
         margin, streak, window = fit[0], fit[1], fit[2:]
         overflow, moves = flags[0] - flags[1], flags[1] == 0  # a gradient overflow; not forward
         clean = flags[0] == 0
-        shifted = torch.cat(((seen * clean).reshape(1), window[:-1]))
+        shifted = torch.cat((torch.where(clean, seen, 0.0).reshape(1), window[:-1]))
         widest = shifted.amax()
         fitted = torch.exp2(16.0 - margin).div_(widest).clamp_(self.min_scale, self.max_scale)
         tolerated = (overflow > 0) & (hysteresis_tracker > 1)
@@ -422,7 +434,8 @@ class ScalePolicy:
         torch.where(moves, moved, scale, out=scale)
         new_tracker = torch.where(clean, self.hysteresis, hysteresis_tracker - tolerated.int())
         torch.where(moves, new_tracker, hysteresis_tracker, out=hysteresis_tracker)
-        widened = (margin + overflow * (window.amax() > 0)).clamp_(max=FIT_MAX_MARGIN)
+        learned = (window.amax() > 0).gt(nan)  # the window said this scale was safe; no NaN
+        widened = (margin + overflow * learned).clamp_(max=FIT_MAX_MARGIN)
         streaked = (streak + 1).clamp_(max=FIT_MAX_STREAK) * overflow
         new_fit = torch.cat((widened.reshape(1), streaked.reshape(1), shifted))
         torch.where(moves, new_fit, fit, out=fit)

@@ -29,6 +29,7 @@ neither makes nor consumes the alarms' copy. So every rank sees the same streaks
 from __future__ import annotations
 
 import logging
+import math
 import time
 import warnings
 from collections import OrderedDict
@@ -94,12 +95,15 @@ class ScalerStats:
     overflow: the scale was held, not backed off)."""
     retries: int = 0
     """Batches run again by `step(closure=...)` after their gradients overflowed."""
-    underflow: float = 0.0
-    """The meter's last reading: the fraction of non-zero gradient elements below 2^-14."""
-    underflow_scale: float = 0.0
-    """The lowest scale at which at most 0.1% of them would have been below 2^-14."""
-    underflow_step: int = 0
-    """The step of that reading (0: none yet; `underflow_every`, docs/observability.md)."""
+    underflow: float | None = None
+    """The meter's last reading: the fraction of non-zero gradient elements below 2^-14. None:
+    never measured (`underflow_every=0`, none of its steps yet, or each one it could not read:
+    an inf-norm clip, CUDA's deterministic mode)."""
+    underflow_scale: float | None = None
+    """The lowest scale at which at most 0.1% of them would have been below 2^-14 (None: no
+    reading, or a reading without a counted element)."""
+    underflow_step: int | None = None
+    """The step of that reading (None: none yet; `underflow_every`, docs/observability.md)."""
 
     @property
     def last_step_skipped(self) -> bool:
@@ -108,10 +112,17 @@ class ScalerStats:
 
 
 def stats_of(scale: float, counters: Counters, meter: Sequence[float] = (0, 0, 0)) -> ScalerStats:
-    """Stats from host values (`meter`: `DeviceState.meter`'s)."""
+    """Stats from host values (`meter`: `DeviceState.meter`'s; a step of 0: never read)."""
     step, fraction, fitted = meter
-    counted = asdict(counters) | {"underflow_step": int(step)}
-    return ScalerStats(scale=scale, underflow=fraction, underflow_scale=fitted, **counted)
+    if not step:
+        return ScalerStats(scale=scale, **asdict(counters))
+    return ScalerStats(
+        scale=scale,
+        underflow=fraction,
+        underflow_scale=None if math.isnan(fitted) else fitted,
+        underflow_step=int(step),
+        **asdict(counters),
+    )
 
 
 def stats_from(values: list[float]) -> ScalerStats:
@@ -275,8 +286,9 @@ class StepReporter:
         self._forward_overflows = stats.forward_overflows
         if stats.last_step_skipped:
             self._log_skip(stats, forward)
-        if stats.underflow_step == stats.steps and stats.underflow > UNDERFLOW_TARGET:
-            values = (stats.steps, 100 * stats.underflow, stats.underflow_scale)
+        fraction = stats.underflow if stats.underflow_step == stats.steps else None
+        if fraction is not None and fraction > UNDERFLOW_TARGET:
+            values = (stats.steps, 100 * fraction, stats.underflow_scale)
             logger.info(_UNDERFLOW_MESSAGE, *values, 100 * UNDERFLOW_TARGET)
         for hook in list(self.hooks.values()):
             hook(stats)

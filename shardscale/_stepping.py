@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import operator
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -33,9 +34,10 @@ from typing import Any, TypeAlias, cast
 
 import torch
 
-from shardscale._bins import counted, counts_can_travel, peak, power_above
+from shardscale._bins import NAN_MARK, counted, counts_can_travel, peak, power_above
 from shardscale._check import Flags, Kernels, exact_norm_check
 from shardscale._config import ScalerConfig
+from shardscale._errors import ShardScaleWarning
 from shardscale._exchange import Ballot, Exchange, Flag, Verdict, combined
 from shardscale._grads import (
     GradGroups,
@@ -55,6 +57,14 @@ from shardscale._state import (
     ScaleHome,
     Stage,
     optimizer_params,
+)
+
+_METER_SKIPPED = (
+    "step {step}: the underflow meter (underflow_every) could not read this step: its counts "
+    "need a SUM, which an inf-norm clip_grad_norm_ (its shares need a MAX) or CUDA's "
+    "deterministic mode (histc has no deterministic kernel) rules out. It reads the next of its "
+    "steps that can be; until one has, stats.underflow is None, never a 0 that was not measured "
+    "(said once)"
 )
 
 # What `unscale_`/`step` accept: an optimizer (or a container of several), or a list.
@@ -163,7 +173,7 @@ class Stepper:
         self.exchange = exchange
         self.home = home
         self.kernels = Kernels()
-        self.last_overflow: list[NonFiniteGrad] = []
+        self.last_overflow: list[NonFiniteGrad] | None = None  # None: none located yet
         self._locate_overflow = config.locate_overflow
         self._meter_every = config.underflow_every
         self._walk = GradWalk()
@@ -171,6 +181,7 @@ class Stepper:
         # same collective, so "defer unscale_'s agreement" is decided alike everywhere.
         self._agreed_once = False
         self._warned = False  # that plain replicas were assumed on a stage without a loss
+        self._warned_meter = False  # that a meter step could not be read
 
     def agree_step(self, book: IterationBook, target: object, scale: torch.Tensor) -> StepPlan:
         """Check `target`'s gradients and agree in the one collective, for a `step()` of it:
@@ -362,7 +373,14 @@ class Stepper:
         where its counts can be made and travel (`shardscale._bins`)."""
         every = self._meter_every
         # `not step % every`: a Python bool even where torch.compile traces the step as a symbol
-        return bool(every) and not book.step % every and counts_can_travel(device, norm_type)
+        if not every or book.step % every:
+            return False
+        if counts_can_travel(device, norm_type):
+            return True
+        if not self._warned_meter:  # a meter step it cannot read: say so, once
+            self._warned_meter = True
+            warnings.warn(_METER_SKIPPED.format(step=book.step), ShardScaleWarning, stacklevel=4)
+        return False
 
     def _ballot(
         self,
@@ -417,6 +435,7 @@ class Stepper:
         if ballot.peaks is not None:  # now the group's: the largest slot's, the only one of a MAX
             largest = ballot.peaks[0] if len(ballot.peaks) == 1 else ballot.peaks.amax()
             verdict.peak = move(power_above(largest), ballot.device)
+            verdict.nan = move(largest == NAN_MARK, ballot.device)
         if ballot.bins is not None:
             verdict.counts = move(ballot.bins, ballot.device)
         if not ballot.has_scale:  # the group confirmed that some rank scaled
@@ -457,10 +476,13 @@ def _fill_readings(ballot: Ballot, readings: list[Reading | None]) -> None:
     an inf-norm clip's, where the meter waits for the next of its steps)."""
     peaks = [r[0] for r in readings if r is not None and r[0] is not None]
     slot = ballot.peak_slot
-    if slot is not None and len(peaks) == 1:
-        slot.copy_(peaks[0])
-    elif slot is not None and peaks:
-        torch.amax(torch.stack([move(p, slot.device) for p in peaks]), 0, out=slot)
+    if slot is not None and peaks:  # a NaN travels as NAN_MARK: it survives a MAX
+        largest = (
+            peaks[0]
+            if len(peaks) == 1
+            else torch.stack([move(p, slot.device) for p in peaks]).amax()
+        )
+        torch.nan_to_num(move(largest, slot.device), nan=NAN_MARK, posinf=math.inf, out=slot)
     counts = [r[1] for r in readings if r is not None and r[1] is not None]
     if ballot.bins is not None and counts:
         torch.sum(torch.stack([move(c, ballot.bins.device) for c in counts]), 0, out=ballot.bins)

@@ -62,6 +62,8 @@ from shardscale._stepping import ClipRequest, OptimizerTarget, Stepper, leaves
 __all__ = ["ShardedGradScaler"]
 
 _VERDICT = operator.attrgetter("verdict")
+# The interval rule's own settings, at their defaults (the fit does not use them).
+_INTERVAL = {"growth_factor": 2.0, "growth_interval": 2000}
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -207,6 +209,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
             )
             enabled = False
         policy = config.policy()
+        given = {"growth_factor": growth_factor, "growth_interval": growth_interval}
+        changed = {name: value for name, value in given.items() if value != _INTERVAL[name]}
+        _warn_unused_by_the_fit(policy, **changed)
         state = ScalerState(policy, policy.initial_state(config.first_scale()), Counters())
         self._setup(config, enabled, state)
 
@@ -249,8 +254,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         return self.policy.growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        """Set the scale growth factor (> 1)."""
+        """Set the scale growth factor (> 1); the fit does not use it (a warning says so)."""
         self._home.set_policy(growth_factor=new_factor)
+        _warn_unused_by_the_fit(self.policy, growth_factor=new_factor)
 
     def get_backoff_factor(self) -> float:
         """Return the scale backoff factor."""
@@ -265,8 +271,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
         return self.policy.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Set the number of clean steps before the scale grows (>= 1)."""
+        """Set the number of clean steps before the scale grows (>= 1); the fit does not use it
+        (a warning says so)."""
         self._home.set_policy(growth_interval=new_interval)
+        _warn_unused_by_the_fit(self.policy, growth_interval=new_interval)
 
     # ------------------------------------------------------------------ the iteration
 
@@ -665,15 +673,17 @@ class ShardedGradScaler(torch.amp.GradScaler):
         return self._reporter.register(hook)
 
     @property
-    def last_overflow(self) -> list[NonFiniteGrad]:
+    def last_overflow(self) -> list[NonFiniteGrad] | None:
         """With `locate_overflow=True`: where the last overflow step's inf/NaN values were.
 
         [`NonFiniteGrad`][shardscale.NonFiniteGrad] records (rank, name, num_inf, num_nan),
         identical on every rank; a forward overflow adds a `"<loss>"` record for each rank
-        whose loss was non-finite. Empty before the first overflow, or without
-        `locate_overflow`.
+        whose loss was non-finite. None where nothing was located: without `locate_overflow`
+        (nothing is looked for; [`find_nonfinite_grads()`][shardscale.find_nonfinite_grads]
+        looks once), or before the first overflow step. Reading it never communicates.
         """
-        return list(self._stepper.last_overflow)
+        located = self._stepper.last_overflow
+        return None if located is None else list(located)
 
     def get_scale(self) -> float:
         """Return the current scale (1.0 when disabled). Costs ONE host sync on an accelerator."""
@@ -720,9 +730,17 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict of this class or of a torch scaler, whole or not at all.
 
-        A torch state dict keeps this scaler's hysteresis, floor and ceiling settings, starts a
-        full hysteresis allowance and zeroes the counters; an older shardscale format starts the
-        counters it lacks at 0. No-op when disabled, as torch's.
+        The state (scale, trackers, counters, the fit's learned state) is the checkpoint's.
+        Where the checkpoint's settings differ from this scaler's, torch's keys
+        (`growth_factor`, `backoff_factor`, `growth_interval`) are the checkpoint's, as torch's
+        scalers load them; of shardscale's (`hysteresis`, `min_scale`, `max_scale`, `dynamic`,
+        `scale_policy`), those this scaler was given other than their defaults stay its own (a
+        run resumed to lower `min_scale`, or switch to the fit, gets what it asked for), the
+        others are the checkpoint's (a scaler built with defaults resumes as saved); the scale
+        is brought within the settings that won. One `ShardScaleWarning` names every
+        difference, both values and which won. A torch state dict starts a full hysteresis
+        allowance and zeroes the counters; an older shardscale format starts the counters it
+        lacks at 0. No-op when disabled, as torch's.
 
         Raises:
             RuntimeError: the dict is empty (saved by a disabled scaler).
@@ -731,7 +749,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return
-        state = parse_state_dict(state_dict, self.policy)
+        state, differences = parse_state_dict(state_dict, self.policy, self._config.chosen())
+        if differences:
+            warnings.warn(_loaded_message(differences), ShardScaleWarning, stacklevel=2)
         self._home.load(state)
         self._reporter.restart(state.counters)
         self._book.step = state.counters.steps + 1
@@ -794,29 +814,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
     _backoff_factor = _compat.torch_alias("get_backoff_factor", "set_backoff_factor")
     _growth_interval = _compat.torch_alias("get_growth_interval", "set_growth_interval")
 
-    @property
-    def _init_scale(self) -> float:
-        """The scale the state starts from when it is put on a device (torch's meaning: set by
-        the constructor and by `load_state_dict`; later steps do not change it)."""
-        return self._home.host.scale.scale
-
-    @_init_scale.setter
-    def _init_scale(self, value: float) -> None:
-        self.policy.check_scale("_init_scale", float(value))
-        self._home.set_start(scale=float(value))
-
-    @property
-    def _init_growth_tracker(self) -> int:
-        """The growth tracker the state starts from, as `_init_scale` (torch's meaning)."""
-        return self._home.host.scale.growth_tracker
-
-    @_init_growth_tracker.setter
-    def _init_growth_tracker(self, value: int) -> None:
-        # Any int >= 0, as torch takes it (its own tests write 7 with growth_interval 1); a
-        # tracker at or past the interval grows the scale at the next clean step.
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"_init_growth_tracker must be an int >= 0, got {value!r}")
-        self._home.set_start(growth_tracker=value)
+    # where the state starts when put on a device (torch's meaning: set by the constructor and
+    # `load_state_dict`; later steps do not change them); writing them is checked
+    _init_scale = _compat.start_value("scale")
+    _init_growth_tracker = _compat.start_value("growth_tracker")
 
     def _get_scale_async(self) -> torch.Tensor | None:
         """The scale tensor without a sync (torch's private accessor, used by frameworks)."""
@@ -868,11 +869,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """Put the state on `dev` now rather than at the first `scale()` (torch's private
         hook: accelerate calls it after loading a state dict for FSDP2). A no-op once there."""
         if self._enabled and self._home.device is None:
-            device = torch.device(dev)
-            if device.type != "cpu" and device.index is None:
-                module = torch.get_device_module(device.type)
-                device = torch.device(device.type, module.current_device())
-            self._home.at(device)
+            self._home.at(torch.device(dev))  # "cuda": the tensors land on the current GPU
 
     # torch's helper: step unless the state's flags say inf/NaN (with our
     # `_per_optimizer_states`, the agreed flag: every rank alike)
@@ -906,3 +903,27 @@ def passes_itself(optimizer: object) -> bool:
         return "grad_scaler" in inspect.signature(step).parameters
     except (TypeError, ValueError):  # a builtin without a signature
         return False
+
+
+def _loaded_message(differences: list[str]) -> str:
+    """`load_state_dict`'s warning where the checkpoint's settings and this scaler's differ."""
+    return (
+        "load_state_dict(): the checkpoint's settings differ from this scaler's: "
+        + "; ".join(differences)
+        + ". torch's keys load as torch's scalers load them; shardscale's settings stay the "
+        "ones this scaler was built with (docs/checkpoints.md)."
+    )
+
+
+def _warn_unused_by_the_fit(policy: ScalePolicy, **settings: float) -> None:
+    """Warn where the interval rule's own settings are given to a scaler that fits its scale:
+    accepted (they are checked, kept, and saved), but they move nothing."""
+    if policy.fit and settings:
+        named = ", ".join(f"{name}={value!r}" for name, value in settings.items())
+        warnings.warn(
+            f"{named} is not used by scale_policy='fit': the fit sets the scale from the "
+            "gradients after every clean step; growth_factor and growth_interval are the "
+            "interval rule's (scale_policy='interval')",
+            ShardScaleWarning,
+            stacklevel=3,
+        )

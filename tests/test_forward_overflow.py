@@ -64,7 +64,7 @@ def _rank_forward_overflow(rank: int, world_size: int, which: str) -> dict[str, 
         result.update(
             forward=stats.forward_overflows,
             skipped=stats.skipped_steps,
-            located=[str(r) for r in scaler.last_overflow if r.name == "<loss>"],
+            located=[str(r) for r in scaler.last_overflow or [] if r.name == "<loss>"],
             state=scaler.state_dict(),
         )
     return result

@@ -19,6 +19,7 @@ from shardscale import (
     AsyncShardedGradScaler,
     NonFiniteGrad,
     ShardedGradScaler,
+    ShardScaleWarning,
     UnderflowingGrad,
     find_nonfinite_grads,
     find_underflowing_grads,
@@ -120,18 +121,19 @@ def test_meter_reads_every_k_steps_and_zero_turns_it_off() -> None:
     steps = [
         stats.underflow_step for *_, stats in _run(ShardedGradScaler(underflow_every=3), grads)
     ]
-    assert steps == [0, 0, 3, 3, 3, 6]
+    assert steps == [None, None, 3, 3, 3, 6]
     off = _run(ShardedGradScaler(underflow_every=0), grads)
     assert [(s.underflow_step, s.underflow, s.underflow_scale) for *_, s in off] == [
-        (0, 0.0, 0.0)
+        (None, None, None)  # never measured: None, never a 0 that reads like a measurement
     ] * 6
 
 
 def test_meter_waits_for_a_step_without_an_inf_norm_clip() -> None:
     """An inf-norm's shares need a MAX, the meter's counts a SUM: that step is not read."""
     scaler = ShardedGradScaler(underflow_every=1)
-    [(*_, stats)] = _run(scaler, [_spread(256)], "clip inf-norm")
-    assert stats.underflow_step == 0
+    with pytest.warns(ShardScaleWarning, match=r"step 1: the underflow meter .* could not read"):
+        [(*_, stats)] = _run(scaler, [_spread(256)], "clip inf-norm")
+    assert (stats.underflow_step, stats.underflow, stats.underflow_scale) == (None, None, None)
     [(*_, stats)] = _run(scaler, [_spread(256)], "step")
     assert stats.underflow_step == 2
 

@@ -518,7 +518,7 @@ def train_step(
             scaler.step(job.optimizer)
     scaler.update()
     if watch is not None:  # the worst first: (module, fraction below 2^-14, dtype)
-        worst = watch.records[:5]
+        worst = (watch.records or [])[:5]
         record["activations"] = [(r.name, r.fraction, r.dtype) for r in worst]
     record["scale"] = scaler.get_scale()
     record["skipped"] = scaler.last_step_skipped  # free after AdamW's (non-fused) step
@@ -608,7 +608,8 @@ def _note_step(
         return
     why = "non-finite loss: a forward overflow" if forward else "non-finite gradients"
     # a forward overflow's NaNs fill every gradient: name the losses alone
-    where = [r for r in scaler.last_overflow if not forward or r.name == "<loss>"]
+    located_records = scaler.last_overflow or []  # None: not located (no locate_overflow)
+    where = [r for r in located_records if not forward or r.name == "<loss>"]
     located = "; ".join(map(str, where[:3])) + (
         f"; and {len(where) - 3} more" if len(where) > 3 else ""
     )
