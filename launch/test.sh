@@ -32,6 +32,18 @@ if [[ -n "${REPORTS:-}" ]]; then
 fi
 cd "$(dirname "$0")/.."
 
+# megatron_sources PYTHON: unpack megatron-core's pinned sources (tests/megatron_sources.py: its
+# wheels are for Python 3.12 only, so the tests import its sources, never install it) and export
+# their folder for tests/test_integration_megatron.py; offline, those tests skip, saying why (or
+# fail, with SHARDSCALE_REQUIRE_MEGATRON=1, as in CI)
+megatron_sources() {
+    if SHARDSCALE_MEGATRON_SOURCES="$("$1" tests/megatron_sources.py)"; then
+        export SHARDSCALE_MEGATRON_SOURCES
+    else
+        echo "test.sh: megatron-core's sources could not be fetched" >&2
+    fi
+}
+
 # reporting PYTHON PYTEST_ARGS...: with REPORTS set, describe the run into REPORTS and set
 # report_args to what makes pytest write its report beside the description
 report_args=()
@@ -48,6 +60,7 @@ reporting() {
 if [[ -z "${TORCH:-}" ]]; then
     . launch/python_env.sh
     use_python_with dev "import shardscale, pytest, xdist, pytest_timeout, hypothesis, numpy, verl, trl, lightning, torchtitan, build"
+    megatron_sources "$PYTHON"
     reporting "$PYTHON" "$@"
     exec "$PYTHON" -m pytest -n 2 ${report_args[@]+"${report_args[@]}"} "$@"
 fi
@@ -70,6 +83,7 @@ if [[ "${FRESH:-0}" == 1 || "$(cat "$venv/stamp" 2>/dev/null)" != "$stamp" ]]; t
 fi
 PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install --quiet --no-deps -e .
 "$venv/bin/python" -c 'import torch; print("test.sh: torch", torch.__version__)'
+megatron_sources "$venv/bin/python"
 if [[ $# -eq 0 ]]; then
     set -- -m "not integration"
 fi

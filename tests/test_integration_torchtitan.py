@@ -51,6 +51,7 @@ DDP = [
 ]
 FULL_DTENSOR = ["--parallelism.spmd_backend", "full_dtensor"]
 SCALER_KEY = "shardscale_scaler"
+SKIPPED_GRAD_NORM = -1.0  # shardscale.integrations.torchtitan's (importing it needs torchtitan)
 
 Records = dict[str, dict[int, list[dict[str, Any]]]]
 
@@ -133,10 +134,11 @@ def test_fsdp2_inf_in_one_rank_every_rank_skips_gradients_match_bf16(
         assert _column(records["fp16"][rank], "scaler_collectives") == [1] * 5
         for record in records["fp16"][rank]:
             clip = record["clip"]
-            assert record["grad_norm"] == clip["norm"]  # what torchtitan logged
-            if record["skipped"]:
+            if record["skipped"]:  # the scaler's norm is inf; torchtitan logs the stand-in
                 assert math.isinf(clip["norm"])
+                assert record["grad_norm"] == SKIPPED_GRAD_NORM
             else:
+                assert record["grad_norm"] == clip["norm"]  # what torchtitan logged
                 assert _close(clip["norm"], clip["titan_norm"], 1e-5)
                 assert clip["max_grad_difference"] < 1e-6  # the same clipped gradients
 
@@ -157,6 +159,42 @@ def test_fsdp2_inf_in_one_rank_every_rank_skips_gradients_match_bf16(
         assert [m["shardscale/last_step_skipped"] for m in metrics] == [0, 0, 0, 1, 0]
     assert "shardscale: step 4 skipped (inf/NaN gradients on some rank), scale 32768" in output
     assert "shardscale: step 5 taken, scale 32768, skipped steps 1, forward overflows 0" in output
+
+
+def test_finite_step_guard_after_0_3_0_overflow_is_a_skipped_step_not_a_stop(
+    assets: Path, tmp_path: Path
+) -> None:
+    """torchtitan's finite-step guard (PR #4226, after 0.3.0: tests/torchtitan_job.py applies
+    its trainer.py hunks to 0.3.0's `train_step`), FSDP2 x2, an inf in rank 1's gradient shard
+    at step 2 of 3. The guard passes: the step is skipped on both ranks and training goes on,
+    torchtitan logging SKIPPED_GRAD_NORM for it. Handed the scaler's own norm (inf), the same
+    guard stops the job there, on both ranks: the test runs the guard's code path."""
+    from shardscale.integrations import torchtitan as integration
+
+    assert integration.SKIPPED_GRAD_NORM == SKIPPED_GRAD_NORM
+    runs = [
+        _run("guarded", tmp_path, 3, *LR, guard=True, inject_at=2, check_clip=True),
+        _run("raw_norm", tmp_path, 3, guard=True, raw_norm=True, inject_at=2),
+    ]
+    records, _ = _train(assets, tmp_path, runs)
+    keys = ("skipped", "scale", "grad_norm", "lr", "optimizer_steps", "scaler_collectives")
+    guarded = _agree(records["guarded"], *keys)
+    assert _column(guarded, "skipped") == [False, True, False]
+    assert _column(guarded, "scale") == [65536.0, 32768.0, 32768.0]
+    assert _column(guarded, "optimizer_steps") == [[1], [1], [2]]
+    assert _column(guarded, "scaler_collectives") == [1, 1, 1]
+    norms, lr = _column(guarded, "grad_norm"), _column(guarded, "lr")
+    assert norms[1] == SKIPPED_GRAD_NORM
+    assert min(norms[0], norms[2]) > 0
+    assert math.isinf(guarded[1]["clip"]["norm"])  # the scaler's own, for that step
+    assert lr[1] == lr[0] < lr[2]  # held at the skipped step
+    for rank in (0, 1):
+        first, stopped = records["raw_norm"][rank]
+        assert (first["step"], first["skipped"]) == (1, False)
+        assert stopped["stopped"] == (
+            "Loss or gradient norm is not finite on at least one rank at step 2. Stopping "
+            "training before the optimizer update."
+        )
 
 
 def test_checkpoint_holds_the_scaler_resume_continues_it_pre_fp16_checkpoint_loads(

@@ -7,7 +7,10 @@ module's `main()`, which takes torchtitan's own flags), or unconverted in bf16/f
 reference; `--runs` lists the trainers to run one after the other. Each rank writes one record
 per step to records-RANK.jsonl: loss, grad norm, LR, the scaler's numbers and the optimizers'
 step counters. A run's `inject_at`/`inject_rank` write an inf into that rank's local gradient
-shard after that step's backward.
+shard after that step's backward. A run's `guard` trains with torchtitan's finite-step guard of
+later versions (PR #4226, `guarded_train_step`: its hunks applied to 0.3.0's `train_step`), and
+its `raw_norm` hands torchtitan the scaler's norm as it is (inf on a skipped step): a run the guard
+stops is recorded as `stopped`, and the job goes on.
 
 What torchtitan 0.3.0 needs on a CPU-only machine with torch 2.13 lives here, never in the
 package (`cpu_workarounds()`): its device is chosen at import (`tools/utils.py` falls back to
@@ -202,6 +205,11 @@ class Run:
         self.inject_rank: int = spec.get("inject_rank", 1)
         # compare the clip with torchtitan's own and count the scaler's collectives
         self.check_clip: bool = spec.get("check_clip", False)
+        # train_step with torchtitan's finite-step guard (after 0.3.0: `guarded_train_step`)
+        self.guard: bool = spec.get("guard", False)
+        # hand torchtitan the scaler's own norm, inf on a skipped step (the adapter before it
+        # learned of the guard): where the guard stops the job, record that and go on
+        self.raw_norm: bool = spec.get("raw_norm", False)
         self.scale_calls = 0  # on this rank (a pipeline's first stage makes none)
         self.trainer: Any = None
 
@@ -220,6 +228,7 @@ def _instrument(run: list[Run]) -> None:
     logged: dict[str, Any] = {}
     metrics_log, base_log = MetricsProcessor.log, BaseLogger.log
     forward_backward, train_step = Trainer.forward_backward_step, Trainer.train_step
+    guarded = guarded_train_step(train_step)
     scale, clip = ShardedGradScaler.scale, ShardedGradScaler.clip_grad_norm_
     step, update = ShardedGradScaler.step, ShardedGradScaler.update
 
@@ -288,7 +297,7 @@ def _instrument(run: list[Run]) -> None:
     def record_step(self: Any, data_iterator: Any) -> None:
         logged.clear()
         run[0].trainer = self
-        train_step(self, data_iterator)
+        (guarded if run[0].guard else train_step)(self, data_iterator)
         scaler = getattr(self, "scaler", None)
         steps = [
             int(state["step"])
@@ -327,6 +336,122 @@ def _instrument(run: list[Run]) -> None:
     torchtitan.trainer.time = types.SimpleNamespace(
         perf_counter=time.perf_counter, monotonic=time.monotonic, sleep=lambda seconds: None
     )
+
+
+# torchtitan's PR #4226 (merged 2026-08-20, after 0.3.0: "Stop non-finite steps before optimizer
+# updates"), its trainer.py hunks as (0.3.0's text, the PR's text), in order: the loss's
+# finiteness kept on the device for every micro-batch, then, between the clip and
+# `optimizers.step()`, a MIN all-reduce of it over the loss and pipeline meshes and
+# `torch._assert_async(loss finite and grad norm finite)`; the old check on the logged loss goes.
+_PR_4226 = [
+    (
+        """        accumulated_loss: torch.Tensor | None = None
+""",
+        """        accumulated_loss: torch.Tensor | None = None
+        # int32 is supported by NCCL reductions, unlike bool.
+        loss_is_finite = torch.ones((), dtype=torch.int32, device=self.device)
+""",
+    ),
+    (
+        """            if should_log:
+                loss = loss.detach()
+                if accumulated_loss is None:
+                    # Take ownership before the next replay overwrites the
+                    # graph-owned output. Later losses accumulate in place.
+                    accumulated_loss = loss.clone()
+                else:
+                    accumulated_loss.add_(loss)
+""",
+        """            detached_loss = loss.detach()
+            local_loss = (
+                detached_loss.to_local()
+                if isinstance(detached_loss, DTensor)
+                else detached_loss
+            )
+            loss_is_finite.logical_and_(torch.isfinite(local_loss).all())
+            if should_log:
+                if accumulated_loss is None:
+                    # Take ownership before the next replay overwrites the
+                    # graph-owned output. Later losses accumulate in place.
+                    accumulated_loss = detached_loss.clone()
+                else:
+                    accumulated_loss.add_(detached_loss)
+""",
+    ),
+    (
+        """            self.checkpointer.maybe_wait_for_staging()
+""",
+        """            # Only the last PP stage owns the loss. First combine its DP/CP
+            # replicas, then propagate the result across PP. TP replicas have
+            # identical loss values, and grad_norm is already world-reduced by
+            # clip_grad_norm_.
+            if not parallel_dims.pp_enabled or self.pp_has_last_stage:
+                loss_mesh = parallel_dims.get_optional_mesh("loss")
+                if loss_mesh is not None:
+                    torch.distributed.all_reduce(
+                        loss_is_finite,
+                        op=torch.distributed.ReduceOp.MIN,
+                        group=loss_mesh.get_group(),
+                    )
+            pp_mesh = parallel_dims.get_optional_mesh("pp")
+            if pp_mesh is not None:
+                torch.distributed.all_reduce(
+                    loss_is_finite,
+                    op=torch.distributed.ReduceOp.MIN,
+                    group=pp_mesh.get_group(),
+                )
+
+            step_is_finite = loss_is_finite.logical_and(torch.isfinite(grad_norm).all())
+            # Keep the check and optimizer kernels ordered on the device without
+            # synchronizing the host on every step. The RuntimeError is catchable
+            # on CPU, while a failed CUDA assertion invalidates the process.
+            torch._assert_async(
+                step_is_finite,
+                "Loss or gradient norm is not finite on at least one rank at "
+                f"step {self.step}. Stopping training before the optimizer update.",
+            )
+            self.checkpointer.maybe_wait_for_staging()
+""",
+    ),
+    (
+        """        # Crash on invalid loss. global_avg_loss is a SUM reduction, so a infinite
+        # loss on any rank propagates here. This reuses the D2H copy already done
+        # for logging, so it adds no extra sync.
+        # TODO: make this step work even logging is off.
+        if not math.isfinite(global_avg_loss):
+            raise RuntimeError(
+                f"Loss is not finite (global_avg_loss={global_avg_loss}) at "
+                f"step {self.step}. Stopping training."
+            )
+
+""",
+        "",
+    ),
+]
+
+
+def guarded_train_step(train_step: Any) -> Any:
+    """torchtitan 0.3.0's `Trainer.train_step` with PR #4226's finite-step guard: the PR's
+    hunks applied to 0.3.0's source of it, compiled in torchtitan.trainer's namespace.
+
+    Raises:
+        RuntimeError: a hunk's 0.3.0 text is not in the source exactly once (another
+            torchtitan): the guard is not what the PR made it.
+    """
+    import inspect
+    import textwrap
+
+    import torchtitan.trainer as titan
+    from torch.distributed.tensor import DTensor
+
+    source = inspect.getsource(train_step)
+    for old, new in _PR_4226:
+        if source.count(old) != 1:
+            raise RuntimeError(f"torchtitan#4226's hunk does not apply to this train_step: {old}")
+        source = source.replace(old, new)
+    namespace = {**vars(titan), "DTensor": DTensor}
+    exec(compile(textwrap.dedent(source), "<torchtitan#4226 train_step>", "exec"), namespace)
+    return namespace["train_step"]
 
 
 def _write(kind: str, record: dict[str, Any]) -> None:
@@ -423,6 +548,19 @@ def _config_checks() -> list[dict[str, Any]]:
     return results
 
 
+@contextlib.contextmanager
+def _norms_as_the_scaler_gives_them(integration: Any, raw: bool) -> Iterator[None]:
+    """With `raw`, the adapter hands torchtitan the scaler's norm as it is (inf on a skipped
+    step) while the block runs."""
+    reported = integration._reported
+    if raw:
+        integration._reported = lambda norm: norm
+    try:
+        yield
+    finally:
+        integration._reported = reported
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", required=True, help="a JSON list of runs (see Run)")
@@ -457,7 +595,12 @@ def main() -> None:
             ]
         trainer = config.build()
         try:
-            trainer.train()
+            with _norms_as_the_scaler_gives_them(integration, run.raw_norm):
+                trainer.train()
+        except RuntimeError as error:  # the guard's stop is a record; anything else, a failure
+            if not (run.guard and "Stopping training before the optimizer" in str(error)):
+                raise
+            _write("records", {"run": run.name, "rank": dist.get_rank(), "stopped": str(error)})
         finally:
             trainer.close()
     dist.destroy_process_group()

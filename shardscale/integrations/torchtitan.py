@@ -10,7 +10,10 @@ scales the loss. [`fp16()`][fp16] converts a trainer config so that its `Trainer
   per-chunk loss is scaled instead, and losses this module cannot vouch for are refused;
 * clips with `scaler.clip_grad_norm_`, in the scaler's one collective. torchtitan has no hook:
   `Trainer.train_step` calls the module-level `torchtitan.distributed.utils.clip_grad_norm_`,
-  so that one name is replaced for the duration of each `train_step`;
+  so that one name is replaced for the duration of each `train_step`. On a step the scaler
+  skips, the norm handed back is [`SKIPPED_GRAD_NORM`][SKIPPED_GRAD_NORM] (-1.0), not the
+  non-finite norm: torchtitan after 0.3.0 (its PR #4226) asserts on the device that the norm
+  is finite before `optimizers.step()`, and would stop the job at the first fp16 overflow;
 * steps torchtitan's `OptimizersContainer` with `scaler.step()`, then `update()`, every rank
   together, and holds the LR schedule on skipped steps (as DeepSpeed and Megatron-LM do);
 * checkpoints the scaler (`shardscale_scaler` in the DCP checkpoint) and loads a checkpoint saved
@@ -42,13 +45,20 @@ from torchtitan.trainer import Trainer
 
 from shardscale import ShardedGradScaler, ShardScaleWarning
 
-__all__ = ["SCALER_KEY", "TESTED_VERSION", "fp16", "main"]
+__all__ = ["SCALER_KEY", "SKIPPED_GRAD_NORM", "TESTED_VERSION", "fp16", "main"]
 
 SCALER_KEY = "shardscale_scaler"
 """The scaler's state in torchtitan's checkpoints."""
 
 TESTED_VERSION = "0.3.0"
-"""The torchtitan release this module was written against and is tested with."""
+"""The torchtitan release this module was written against and is tested with (and its
+finite-step guard of later versions, PR #4226, applied to that release's trainer)."""
+
+SKIPPED_GRAD_NORM = -1.0
+"""The grad norm torchtitan gets, and logs, on a step the scaler skips: no norm is negative, so
+it never reads as a measurement (the gradients held inf/NaN on some rank; the same record's
+`shardscale/last_step_skipped` is 1). A finite stand-in, because torchtitan after 0.3.0 stops
+the job on a non-finite norm before it calls `optimizers.step()`, where the scaler skips."""
 
 _SCALABLE = (CrossEntropyLoss.Config, MSELoss.Config)  # their backward honours grad_output
 _SET_BY_TRAINER = ("device", "enabled", "process_group")
@@ -320,13 +330,20 @@ def _clipping_by(scaler: ShardedGradScaler, replicas: int) -> Iterator[None]:
         parameters: Any, max_norm: float, norm_type: float = 2.0, **torchtitan_options: Any
     ) -> torch.Tensor:
         # pp_mesh and ep_enabled are not needed: the scaler sums stages and expert shards
-        return scaler.clip_grad_norm_(parameters, max_norm, norm_type, replica_group=replicas)
+        norm = scaler.clip_grad_norm_(parameters, max_norm, norm_type, replica_group=replicas)
+        return _reported(norm)
 
     setattr(dist_utils, _CLIP, clip_grad_norm_)
     try:
         yield
     finally:
         setattr(dist_utils, _CLIP, original)
+
+
+def _reported(norm: torch.Tensor) -> torch.Tensor:
+    """The norm torchtitan gets: the agreed norm, or `SKIPPED_GRAD_NORM` where it is not finite
+    (on every rank alike: the scaler skips that step everywhere). On the device, no host read."""
+    return torch.where(torch.isfinite(norm), norm, SKIPPED_GRAD_NORM)
 
 
 @functools.cache

@@ -1,0 +1,527 @@
+"""shardscale.integrations.megatron on megatron-core's own optimizers, on the CPU.
+
+The optimizers are megatron-core 0.19.2's (`ChainedOptimizer` of
+`Float16OptimizerWithFloat16Params`, each with its `DynamicGradScaler`), built as
+`get_megatron_optimizer` wires them, with its `parallel_state` groups on gloo, its pipeline
+schedule's per-micro-batch functions, its MoE/MTP loss scalers and its dist-checkpointing. Their
+sources come unpacked from the wheel (tests/megatron_sources.py: cp312-only wheels, Python 3.11
+here), and their CUDA-only calls are answered with CPU tensors by tests/megatron_setup.py; no
+Megatron code is faked. They need no framework package, so they run in the default suite.
+Each test builds a Megatron optimizer beside the converted one, on the same data: what Megatron
+does on its own is shown next to what the conversion changes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import warnings
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardscale import ShardScaleNonFiniteError, ShardScaleWarning, count_collectives
+from tests import megatron_setup as setup
+from tests import megatron_sources
+from tests.harness import run_ranks
+
+INF = math.inf
+
+
+def _cannot_run(reason: str) -> None:
+    """Skip, saying why; fail where the run requires these tests (CI)."""
+    if os.environ.get(megatron_sources.REQUIRE) == "1":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def sources() -> str:
+    """The unpacked sources' folder, for the ranks to import from."""
+    found = megatron_sources.folder()
+    if found is None:
+        _cannot_run(megatron_sources.missing_reason())
+    return str(found)
+
+
+@pytest.fixture(scope="module")
+def mg(sources: str) -> SimpleNamespace:
+    """megatron-core's modules (imported here too: a missing dependency skips before ranks)."""
+    try:
+        return setup.import_megatron(sources)
+    except ModuleNotFoundError as missing:  # megatron-core 0.19.2 imports triton, for one
+        _cannot_run(f"megatron-core {megatron_sources.VERSION} imports {missing.name}: {missing}")
+        raise
+
+
+@pytest.fixture
+def cpu(world_of_one: dist.ProcessGroup, mg: SimpleNamespace) -> Iterator[dist.ProcessGroup]:
+    """One gloo rank, Megatron's CUDA calls on the CPU."""
+    with setup.cuda_on_cpu():
+        yield world_of_one
+
+
+def _chain(mg: SimpleNamespace, group: Any, *, convert: bool, **kwargs: Any) -> tuple[Any, Any]:
+    """A dense and an expert sub-optimizer (3 + 2 and 4 elements), the same on every call;
+    `megatron` holds Megatron's own scaler settings, the other `kwargs` the conversion's."""
+    groups = [
+        setup.group([3, 2], group, group, expert=False, seed=1),
+        setup.group([4], group, group, expert=True, seed=2),
+    ]
+    optimizer = setup.optimizer(mg, groups, **kwargs.pop("megatron", {}))
+    if convert:
+        mg.integration.use_shardscale(optimizer, **kwargs)
+    return optimizer, groups
+
+
+INPUTS = [[torch.ones(3), torch.full((2,), 2.0)], [torch.full((4,), 3.0)]]
+TRUE_GRADS = [[1.0] * 3 + [2.0] * 2, [3.0] * 4]  # d(sum(param * x))/d(param) = x
+
+
+def _iteration(
+    optimizer: Any, groups: Any, inf_in: tuple[int, ...] = (), value: float = INF
+) -> Any:
+    """Megatron's training step: zero, one micro-batch, an inf (or `value`) in the named groups'
+    first `main_grad` (after the DDP hook), `optimizer.step()`."""
+    setup.zero_grad(optimizer, groups)
+    setup.backward(optimizer, groups, INPUTS)
+    for index in inf_in:
+        groups[index].params[0].main_grad[0] = value
+    return optimizer.step()
+
+
+def test_scale_overflow_pattern_moves_as_megatrons_dynamic_grad_scaler_and_resumes_from_it(
+    mg: SimpleNamespace, cpu: dist.ProcessGroup
+) -> None:
+    """The policy is Megatron's (hysteresis 2, window 4 here): over a pattern of overflows the
+    converted optimizer's scale is what Megatron's own chain holds, step for step; and a
+    Megatron checkpoint taken after three overflows in a row (its hysteresis tracker at -1)
+    resumes the converted optimizer on the same course."""
+    pattern = [0, 1, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1, 1, 0]
+    megatron, megatron_groups = _chain(mg, cpu, convert=False)
+    ours, groups = _chain(mg, cpu, convert=True)
+    resumed: tuple[Any, Any] | None = None
+    theirs, mine, continued = [], [], []
+    for step, overflow in enumerate(pattern):
+        inf_in = (0, 1) if overflow else ()  # both groups: Megatron's two scalers move alike
+        taken, *_ = _iteration(megatron, megatron_groups, inf_in)
+        assert taken is not bool(overflow)
+        assert _iteration(ours, groups, inf_in)[0] is not bool(overflow)
+        theirs.append(setup.scales(megatron))
+        mine.append(setup.scales(ours))
+        if resumed is not None:
+            _iteration(*resumed, inf_in)
+            continued.append(setup.scales(resumed[0]))
+        if step == 3:
+            assert megatron.chained_optimizers[0].grad_scaler._hysteresis_tracker == -1
+            resumed = _chain(mg, cpu, convert=True)
+            resumed[0].load_state_dict(megatron.state_dict())  # Megatron's own checkpoint
+            assert setup.scales(resumed[0]) == theirs[-1]
+    assert mine == theirs
+    backed_off_twice, grown, held = [1024, 1024, 512, 256], [256, 256, 256, 512], [512] * 4
+    assert [s[0] for s in theirs] == [*backed_off_twice, *grown, *held, 1024, 1024, 1024, 512, 512]
+    assert continued == theirs[4:]
+
+
+def test_prepare_grads_twice_in_one_step_unscales_once_megatrons_own_divides_again(
+    mg: SimpleNamespace, cpu: dist.ProcessGroup
+) -> None:
+    """slime's and miles' step (THUDM/slime #1842): `prepare_grads()`, `get_grad_norm()`, then
+    `step()`, which prepares again. Megatron's own divides the fp32 gradient buffer by the
+    scale twice (gradients 1024 times too small) and moves its scalers twice; the converted
+    optimizer's second call does nothing (no copy, check, collective or scale move)."""
+    megatron, megatron_groups = _chain(mg, cpu, convert=False)
+    ours, groups = _chain(mg, cpu, convert=True)
+    for optimizer, grads in ((megatron, megatron_groups), (ours, groups)):
+        setup.zero_grad(optimizer, grads)
+        setup.backward(optimizer, grads, INPUTS)
+        assert optimizer.prepare_grads() is False
+        assert optimizer.get_grad_norm() == pytest.approx(math.sqrt(3 + 8 + 36))
+    assert megatron.prepare_grads() is False
+    shrunk = [[g * 1024 for g in grads] for grads in setup.main_grads(megatron)]
+    assert shrunk == TRUE_GRADS  # divided by 1024 twice
+    assert [leaf.grad_scaler._growth_tracker for leaf in megatron.chained_optimizers] == [2, 2]
+
+    before = setup.main_params(ours)
+    with count_collectives() as counts:
+        assert ours.prepare_grads() is False
+    assert sum(counts.values()) == 0
+    assert setup.main_grads(ours) == TRUE_GRADS
+    taken, norm, _ = ours.step()  # prepares again: nothing more
+    assert (taken, norm) == (True, pytest.approx(math.sqrt(47)))
+    assert setup.main_grads(ours) == TRUE_GRADS
+    moved = [
+        [b - a for b, a in zip(old, new, strict=True)]
+        for old, new in zip(before, setup.main_params(ours), strict=True)
+    ]
+    assert moved == TRUE_GRADS  # SGD at lr 1 moved each weight by its gradient
+    assert ours._shardscale.scaler.stats.steps == 1
+
+
+def test_converted_optimizer_out_of_order_calls_raise_naming_the_rule(
+    mg: SimpleNamespace, cpu: dist.ProcessGroup
+) -> None:
+    """A step before its check, a step after an agreed overflow, a second iteration without
+    `zero_grad()`, and a sub-optimizer's own check or scale move: each raises, before any
+    gradient is touched."""
+    ours, groups = _chain(mg, cpu, convert=True)
+    setup.zero_grad(ours, groups)
+    setup.backward(ours, groups, INPUTS)
+    with pytest.raises(RuntimeError, match="step_with_ready_grads\\(\\) before prepare_grads"):
+        ours.step_with_ready_grads()
+    dense = ours.chained_optimizers[0]
+    with pytest.raises(RuntimeError, match="asked to unscale its own gradients"):
+        dense.prepare_grads()  # Megatron's own, per sub-optimizer
+    assert groups[0].params[0].main_grad.tolist() == [1024.0] * 3  # still scaled, untouched
+    with pytest.raises(RuntimeError, match=r"moves once per step.*update\(found_inf=True\)"):
+        dense.grad_scaler.update(True)
+    assert ours.step()[0] is True
+    with pytest.raises(RuntimeError, match=r"after this iteration's step: call optimizer\.zero"):
+        ours.prepare_grads()
+    with pytest.raises(RuntimeError, match="called already in this iteration"):
+        ours.step_with_ready_grads()
+
+    assert _iteration(ours, groups, inf_in=(1,)) == (False, None, None)
+    with pytest.raises(RuntimeError, match="found inf/NaN gradients on some rank"):
+        ours.step_with_ready_grads()
+
+
+def test_use_shardscale_refuses_optimizers_it_cannot_agree_on(
+    mg: SimpleNamespace, cpu: dist.ProcessGroup
+) -> None:
+    integration = mg.integration
+    with pytest.raises(
+        TypeError, match="takes a Megatron ChainedOptimizer or MixedPrecisionOptimizer, got SGD"
+    ):
+        integration.use_shardscale(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
+    converted, _ = _chain(mg, cpu, convert=True)
+    with pytest.raises(ValueError, match="uses shardscale already"):
+        integration.use_shardscale(converted)
+    with pytest.raises(ValueError, match="holds no sub-optimizer on this rank, got \\[\\]"):
+        integration.use_shardscale(mg.ChainedOptimizer([]))
+    bf16, _ = _chain(mg, cpu, convert=False)
+    bf16.chained_optimizers[1].grad_scaler = None
+    with pytest.raises(
+        ValueError,
+        match=r"got sub-optimizer 1 \(Float16OptimizerWithFloat16Params\) without one \(bf16\?\)",
+    ):
+        integration.use_shardscale(bf16)
+    decoupled, _ = _chain(mg, cpu, convert=False)
+    decoupled.chained_optimizers[0].config.use_precision_aware_optimizer = True
+    with pytest.raises(ValueError, match="use_precision_aware_optimizer must be False"):
+        integration.use_shardscale(decoupled)
+    mixed, _ = _chain(mg, cpu, convert=False)
+    mixed.chained_optimizers[0].grad_scaler = mg.ConstantGradScaler(8.0)
+    with pytest.raises(TypeError, match="all Megatron's DynamicGradScaler or all its Constant"):
+        integration.use_shardscale(mixed)
+    with pytest.raises(ValueError, match="growth_factor"):
+        integration.use_shardscale(_chain(mg, cpu, convert=False)[0], growth_factor=0.5)
+
+
+def test_use_shardscale_options_floor_error_meter_and_fit_work_as_elsewhere(
+    mg: SimpleNamespace, cpu: dist.ProcessGroup
+) -> None:
+    """The scaler's options pass through: at Megatron's floor (1.0) a NaN that backing off
+    cannot explain warns, then raises after `max_overflows_at_floor` steps, where Megatron's own
+    would skip forever; the meter measures on its steps; the fit sets the scale from the
+    gradients (the largest, 3.0, below 4 = 2**2: 2**16 / 4)."""
+    megatron, megatron_groups = _chain(mg, cpu, convert=False, megatron={"initial_scale": 1.0})
+    for _ in range(3):  # Megatron's own, at its floor: skips, and skips
+        assert _iteration(megatron, megatron_groups, (0,), math.nan) == (False, None, None)
+    at_floor, groups = _chain(mg, cpu, convert=True, init_scale=1.0, max_overflows_at_floor=2)
+    with pytest.warns(ShardScaleWarning, match=r"min_scale=1\.0 and cannot go lower.*are NaN"):
+        assert _iteration(at_floor, groups, (0,), math.nan) == (False, None, None)
+    with pytest.raises(ShardScaleNonFiniteError, match="NaN"):
+        _iteration(at_floor, groups, (0,), math.nan)
+    metered, groups = _chain(mg, cpu, convert=True, underflow_every=1)
+    _iteration(metered, groups)
+    stats = metered._shardscale.scaler.stats
+    assert (stats.underflow, stats.underflow_step) == (0.0, 1)
+    fitted, groups = _chain(mg, cpu, convert=True, scale_policy="fit")
+    _iteration(fitted, groups)
+    assert setup.scales(fitted) == [2.0**14, 2.0**14]
+
+
+class _ScaledAux(torch.autograd.Function):
+    """A plain-torch auxiliary loss injected by a custom backward, as docs/megatron.md has it:
+    its gradient is multiplied by the agreed scale, so the scaler's unscale is right for it."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, aux_loss: torch.Tensor, scale: torch.Tensor) -> Any:
+        ctx.save_for_backward(aux_loss, scale)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
+        aux_loss, scale = ctx.saved_tensors
+        return grad_output, torch.ones_like(aux_loss) * scale, None
+
+
+def test_moe_mtp_and_custom_autograd_losses_carry_the_agreed_scale(
+    mg: SimpleNamespace, cpu: dist.ProcessGroup
+) -> None:
+    """Megatron's schedule, one micro-batch of two: `forward_step_calc_loss` sets the MoE and MTP
+    loss scalers from `config.grad_scale_func` (the converted optimizer's `scale_loss`), and
+    `backward_step` scales the loss with it. The auxiliary gradients enter through Megatron's
+    custom autograd functions, and a plain-torch one reads `loss_scale_tensor()`: after the one
+    unscale every gradient is the true one. With `moe_grad_scale_func`/`mtp_grad_scale_func`
+    returning `loss_scale_tensor()`, the schedule sets the same scale."""
+    ours, groups = _chain(mg, cpu, convert=True, init_scale=2048.0)
+    scaler = ours._shardscale.scaler
+    dense, expert = groups[0].params, groups[1].params[0]
+    config = SimpleNamespace(grad_scale_func=ours.scale_loss, num_moe_experts=2, mtp_num_layers=1)
+    config.__dict__.update(calculate_per_token_loss=False, timers=None)
+    config.deallocate_pipeline_outputs = False
+    schedules, mtp = mg.schedules, mg.MTPLossAutoScaler
+    setup.zero_grad(ours, groups)
+    aux = (expert.float() * torch.full((4,), 0.5)).sum()
+    hidden = dense[0].float() * INPUTS[0][0]  # the hidden states the losses ride on
+    hidden = mg.MoEAuxLossAutoScaler.apply(hidden, aux)
+    mtp_loss = (dense[1].float() * INPUTS[0][1]).sum()
+    hidden = mtp.apply(hidden, mtp_loss)
+    own = (expert.float() * torch.full((4,), 0.25)).sum()
+    hidden = _ScaledAux.apply(hidden, own, scaler.loss_scale_tensor(expert.device))
+    try:
+        loss, _ = schedules.forward_step_calc_loss(
+            None, hidden, lambda out: (out.sum(), {}), config, None, False, 2, [], 1, True
+        )
+        assert float(mg.MoEAuxLossAutoScaler.main_loss_backward_scale) == 2048 / 2
+        assert float(mtp.main_loss_backward_scale) == 2048 / 2
+        schedules.backward_step(None, loss, None, config)
+    finally:
+        mg.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        mtp.main_loss_backward_scale = torch.tensor(1.0)
+    for param in [*dense, expert]:
+        param.main_grad.add_(param.grad.float())
+        param.grad = None
+    assert ours.prepare_grads() is False
+    # the main loss / 2 micro-batches; the MoE and MTP gradients / 2 too (Megatron's scalers
+    # take the scale over the micro-batches); the plain-torch one whole
+    assert setup.main_grads(ours) == [[0.5] * 3 + [1.0] * 2, [0.25 + 0.25] * 4]
+    assert float(ours.get_loss_scale()) == 2048.0
+    assert ours.get_loss_scale().shape == (1,)
+    # Megatron's own hooks for the two scales, returning the scaler's: the schedule takes them
+    config.moe_grad_scale_func = lambda: scaler.loss_scale_tensor(expert.device)
+    config.mtp_grad_scale_func = lambda: scaler.loss_scale_tensor(expert.device)
+    try:
+        schedules.forward_step_calc_loss(
+            None, hidden.detach(), lambda out: (out.sum(), {}), config, None, False, 4, [], 1, True
+        )
+        assert float(mg.MoEAuxLossAutoScaler.main_loss_backward_scale) == 2048 / 4
+        assert float(mtp.main_loss_backward_scale) == 2048 / 4
+    finally:
+        mg.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        mtp.main_loss_backward_scale = torch.tensor(1.0)
+
+
+def _sharded(groups: Any) -> dict[str, Any]:
+    """The model's sharded state dict (what `model.sharded_state_dict()` gives Megatron)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return {
+        f"g{g}.p{i}": ShardedTensor.from_rank_offsets(f"g{g}.p{i}", param, replica_id=0)
+        for g, each in enumerate(groups)
+        for i, param in enumerate(each.params)
+    }
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP's, on load
+@pytest.mark.filterwarnings("ignore:The argument order of load has been changed:UserWarning")
+def test_checkpoint_dist_checkpointing_round_trip_and_megatrons_scaler_loads_it_back(
+    mg: SimpleNamespace, cpu: dist.ProcessGroup
+) -> None:
+    """The scaler's state travels in Megatron's own checkpoint: `sharded_state_dict()` through
+    `dist_checkpointing.save`/`load` into a fresh converted optimizer, whole (counters, the
+    trackers); each sub-optimizer's `grad_scaler` entry also loads into Megatron's own
+    `DynamicGradScaler` (going back); and drifted Megatron scalers resume at the smallest."""
+    from megatron.core import dist_checkpointing
+
+    ours, groups = _chain(mg, cpu, convert=True)
+    for inf_in in ((), (1,), (1,), ()):
+        _iteration(ours, groups, inf_in)
+    saved = ours._shardscale.scaler.state_dict()
+    assert (saved["scale"], saved["skipped_steps"], saved["_growth_tracker"]) == (512.0, 2, 1)
+    with tempfile.TemporaryDirectory() as folder:
+        dist_checkpointing.save(ours.sharded_state_dict(_sharded(groups)), folder)
+        fresh, fresh_groups = _chain(mg, cpu, convert=True)
+        template = fresh.sharded_state_dict(_sharded(fresh_groups), is_loading=True)
+        fresh.load_state_dict(dist_checkpointing.load(template, folder))
+    assert fresh._shardscale.scaler.state_dict() == saved
+    assert _iteration(fresh, fresh_groups) == _iteration(ours, groups)
+
+    now = ours._shardscale.scaler.state_dict()
+    theirs = mg.DynamicGradScaler(**setup.SCALER)
+    theirs.load_state_dict(ours.state_dict()[1]["grad_scaler"])
+    loaded = (float(theirs.scale), theirs._growth_tracker, theirs._hysteresis_tracker)
+    assert loaded == (now["scale"], now["_growth_tracker"], now["_hysteresis_tracker"])
+    assert loaded == (512.0, 2, 1)
+
+    drifted, _ = _chain(mg, cpu, convert=True)
+    megatron, _ = _chain(mg, cpu, convert=False)
+    state = megatron.state_dict()
+    for entry_, scale in zip(state, (8.0, 4.0), strict=True):
+        entry_["grad_scaler"]["scale"] = torch.tensor([scale])
+    with pytest.warns(ShardScaleWarning, match="drifted apart \\(scales \\[8.0, 4.0\\]\\).*4$"):
+        drifted.load_state_dict(state)
+    assert setup.scales(drifted) == [4.0, 4.0]
+
+
+def _rank_dense_expert_overflow_on_rank_1(rank: int, world_size: int, sources: str) -> Any:
+    """Megatron's groups for 2 ranks and expert parallel 2 (dense weights replicated, each
+    rank its own experts); Megatron's own chain and the converted one, side by side; an inf in
+    rank 1's expert gradients at steps 2 and 3, of 5."""
+    mg = setup.import_megatron(sources)
+    ps = mg.parallel_state
+    with setup.cuda_on_cpu(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ps.initialize_model_parallel(expert_model_parallel_size=2, create_gloo_process_groups=False)
+        dense_groups = (ps.get_model_parallel_group(), ps.get_tensor_model_parallel_group())
+        expert_groups = (
+            ps.get_expert_tensor_model_pipeline_parallel_group(),
+            ps.get_expert_tensor_parallel_group(),
+        )
+        runs: dict[str, Any] = {}
+        for name in ("megatron", "shardscale"):
+            groups = [
+                setup.group([3, 2], *dense_groups, expert=False, seed=1),
+                setup.group([4], *expert_groups, expert=True, seed=2 + rank),
+            ]
+            optimizer = setup.optimizer(mg, groups)
+            if name == "shardscale":
+                mg.integration.use_shardscale(optimizer)
+            runs[name] = _five_steps(optimizer, groups, rank)
+        ps.destroy_model_parallel()
+    return runs
+
+
+def _five_steps(optimizer: Any, groups: Any, rank: int) -> dict[str, Any]:
+    record: dict[str, Any] = {"taken": [], "scales": [], "loss_scale": [], "collectives": []}
+    for step in (1, 2, 3, 4, 5):
+        setup.zero_grad(optimizer, groups)
+        record["loss_scale"].append(float(optimizer.get_loss_scale()))
+        setup.backward(optimizer, groups, INPUTS)
+        if step in (2, 3) and rank == 1:
+            groups[1].params[0].main_grad[0] = INF
+        with count_collectives() as counts:
+            record["taken"].append(optimizer.step()[0])
+        record["collectives"].append(counts["c10d::allreduce_"])
+        record["scales"].append(setup.scales(optimizer))
+        if step == 4:
+            record["expert_grads"] = setup.main_grads(optimizer)[1]
+    return record
+
+
+@pytest.mark.usefixtures("mg")  # importable here, before ranks import it
+def test_chained_dense_expert_overflow_on_one_rank_every_group_skips_one_scale_megatrons_part(
+    sources: str,
+) -> None:
+    """The issue's case: both ranks skip both groups at steps 2 and 3 either way (the expert
+    flag is all-reduced over the expert-parallel group), but Megatron's expert scaler alone
+    backs off: its scales part ([1024, 512]), the loss is scaled by the first (dense) one and
+    the expert gradients unscaled by the second, twice too large at step 4, and the dense
+    scaler grows at step 4 ([2048, 512]). The converted chain: one scale, on both ranks and
+    both groups, the expert gradients exact; one collective of shardscale's a step, plus
+    Megatron's two for the norm (its dense and expert norms reduce over different groups)."""
+    records = run_ranks(_rank_dense_expert_overflow_on_rank_1, 2, sources, timeout_s=180)
+    for runs in records:
+        megatron, ours = runs["megatron"], runs["shardscale"]
+        assert megatron["taken"] == ours["taken"] == [True, False, False, True, True]
+        drifted = [[1024, 512], [2048, 512], [2048, 512]]
+        assert megatron["scales"] == [[1024] * 2, [1024] * 2, *drifted]
+        assert megatron["loss_scale"] == [1024, 1024, 1024, 1024, 2048]
+        assert ours["scales"] == [[1024] * 2, [1024] * 2, [512] * 2, [512] * 2, [512] * 2]
+        assert ours["loss_scale"] == [1024, 1024, 1024, 512, 512]
+        expert_inputs = [3.0] * 4
+        assert megatron["expert_grads"] == [2 * g for g in expert_inputs]
+        assert ours["expert_grads"] == expert_inputs
+        # a taken step: two flags and two norms (Megatron's), or one flag (ours) and the
+        # norms; a skipped step has no norm
+        assert megatron["collectives"] == [4, 2, 2, 4, 4]
+        assert ours["collectives"] == [3, 1, 1, 3, 3]
+    assert records[0]["shardscale"] == records[1]["shardscale"]
+
+
+def _rank_same_replicas(rank: int, world_size: int, sources: str) -> Any:
+    """Megatron's groups for 2 ranks, no expert parallelism: dense and expert weights both
+    replicated on the 2 ranks; clip at 1.0; an inf in rank 1's dense gradients (after the
+    data-parallel all-reduce, so rank 0 never sees it) at step 3, of 4; step 4 in slime's
+    order."""
+    mg = setup.import_megatron(sources)
+    ps = mg.parallel_state
+    with setup.cuda_on_cpu(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ps.initialize_model_parallel(create_gloo_process_groups=False)
+        groups_of = {
+            False: (ps.get_model_parallel_group(), ps.get_tensor_model_parallel_group()),
+            True: (
+                ps.get_expert_tensor_model_pipeline_parallel_group(),
+                ps.get_expert_tensor_parallel_group(),
+            ),
+        }
+        runs: dict[str, Any] = {}
+        for name in ("megatron", "shardscale"):
+            groups = [
+                setup.group([3, 2], *groups_of[False], expert=False, seed=1),
+                setup.group([4], *groups_of[True], expert=True, seed=2),
+            ]
+            optimizer = setup.optimizer(mg, groups, clip_grad=1.0)
+            if name == "shardscale":
+                mg.integration.use_shardscale(optimizer)
+            record: dict[str, Any] = {"taken": [], "norms": [], "collectives": []}
+            for step in (1, 2, 3, 4):
+                setup.zero_grad(optimizer, groups)
+                setup.backward(optimizer, groups, INPUTS)
+                if step == 3 and rank == 1:
+                    groups[0].params[0].main_grad[0] = INF
+                if step == 4:  # slime's order: prepare_grads, get_grad_norm, then step
+                    with count_collectives() as counts:
+                        optimizer.prepare_grads()
+                    record["slime_prepare"] = counts["c10d::allreduce_"]
+                with count_collectives() as counts:
+                    if step == 4:
+                        optimizer.get_grad_norm()
+                    taken, norm, _ = optimizer.step()
+                record["taken"].append(taken)
+                record["norms"].append(norm)
+                record["collectives"].append(counts["c10d::allreduce_"])
+            record["weights"] = [p.float().tolist() for each in groups for p in each.params]
+            runs[name] = record
+        ps.destroy_model_parallel()
+    return runs
+
+
+@pytest.mark.usefixtures("mg")  # importable here, before ranks import it
+def test_chained_same_replicas_flag_and_norm_in_one_collective_megatron_replicas_part(
+    sources: str,
+) -> None:
+    """Where one replica count describes every sub-optimizer's gradients, the flag and the
+    clip's norm travel in one all-reduce a step, and the norm and the clipped weights are
+    Megatron's own. An inf that only rank 1 sees in a dense gradient: Megatron's dense flag is
+    reduced over the model-parallel group (here one rank), so rank 1 skips and rank 0 steps,
+    and their weights part; the converted chain skips on both."""
+    records = run_ranks(_rank_same_replicas, 2, sources, timeout_s=180)
+    megatron = [runs["megatron"] for runs in records]
+    ours = [runs["shardscale"] for runs in records]
+    assert ours[0]["taken"] == ours[1]["taken"] == [True, True, False, True]
+    # slime's order at step 4: one all-reduce in prepare_grads, none after it for the norm and
+    # the step; Megatron's own: two in prepare_grads, then two norms, two flags and two norms
+    assert [o["slime_prepare"] for o in ours] == [1, 1]
+    assert [o["collectives"][3] for o in ours] == [0, 0]
+    assert [m["slime_prepare"] for m in megatron] == [2, 2]
+    assert [m["collectives"][3] for m in megatron] == [6, 6]
+    assert [m["taken"] for m in megatron] == [[True] * 4, [True, True, False, True]]
+    assert megatron[0]["weights"] != megatron[1]["weights"]
+    assert ours[0]["weights"] == ours[1]["weights"]
+    norm = pytest.approx(math.sqrt(3 + 8 + 36), rel=1e-6)
+    for rank in (0, 1):
+        assert megatron[rank]["norms"][:2] == [norm, norm]  # (step 4: divided twice)
+        assert ours[rank]["norms"] == [norm, norm, None, norm]
+        # the first step: the scaler's first agreement is at once (docs/guides.md), and
+        # Megatron asks once whether separate grad-norm groups exist (two all-reduces)
+        assert ours[rank]["collectives"][:3] == [4, 1, 1]
+    assert [m["collectives"][:3] for m in megatron] == [[6, 4, 4], [6, 4, 2]]
