@@ -737,7 +737,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         `scale_policy`), those this scaler was given other than their defaults stay its own (a
         run resumed to lower `min_scale`, or switch to the fit, gets what it asked for), the
         others are the checkpoint's (a scaler built with defaults resumes as saved); the scale
-        is brought within the settings that won. One `ShardScaleWarning` names every
+        is brought within the settings that won. One
+        [`ShardScaleWarning`][shardscale.ShardScaleWarning] names every
         difference, both values and which won. A torch state dict starts a full hysteresis
         allowance and zeroes the counters; an older shardscale format starts the counters it
         lacks at 0. No-op when disabled, as torch's.
