@@ -3,10 +3,11 @@
 Two features read how large the gradients are, and ride the step's one collective
 (`shardscale._exchange` carries what they read; here it is made and read back):
 
-* the fit (`scale_policy="fit"`): each rank's largest |scaled gradient| ([`peak`][]). It travels
-  in a slot of the ballot, one per rank where the ballot reduces by SUM (a clip's 2-norm, the
-  meter's counts), so that the largest survives the reduction; the fit then takes the power of
-  two just above the group's largest ([`power_above`][]);
+* the fit (`scale_policy="fit"`): each rank's largest |scaled gradient| that fp16 had to hold,
+  in one backward ([`Fp16Gradients`][]). It travels in a slot of the ballot, one per rank where
+  the ballot reduces by SUM (a clip's 2-norm, the meter's counts), so that the largest survives
+  the reduction (a NaN as `NAN_MARK`); the fit then takes the power of two just above the
+  group's largest ([`power_above`][]);
 * the underflow meter (every `underflow_every` steps, where [`counts_can_travel`][]): 128 slots,
   one per power of two, slot i for magnitudes in [2^(i+BIN_LOW-1), 2^(i+BIN_LOW)), 2^-64 to 2^64
   in all; each counts this rank's non-zero gradient elements in it ([`counted`][]), the counts add
@@ -21,12 +22,19 @@ zero) ([`underflow_counts`][] counts them directly, the meter through its bins).
 
 from __future__ import annotations
 
+import functools
 import math
+import re
+import warnings
+import weakref
+from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from shardscale._grads import GradGroups, NormGroups, move
-from shardscale._torch import foreach_norm
+from shardscale._errors import ShardScaleWarning
+from shardscale._grads import GradGroups, GradWalk, NormGroups, move
+from shardscale._torch import foreach_norm, local_tensor
 
 # The bins: how many, and the power of two that bounds slot 0 from above (module docstring).
 BINS, BIN_LOW = 128, -63
@@ -120,3 +128,160 @@ def peak(groups: Groups, device: torch.device, scale: torch.Tensor | None) -> to
 def power_above(value: torch.Tensor) -> torch.Tensor:
     """The power of two just above `value` (>= 0, finite): 2^e with `value` < 2^e; 0 for 0."""
     return torch.ldexp(torch.sign(value), torch.frexp(value).exponent)
+
+
+# Autograd nodes that only move a gradient on its way to a leaf (views; the splits and copies of
+# FSDP1's flat parameters; module hooks): the node before them says where it formed.
+_THROUGH = re.compile(
+    r"(Unsafe)?(View|Reshape|ReshapeAlias|AsStrided|Alias|Slice|Select|Narrow|T|Transpose|Permute"
+    r"|Expand|Squeeze|Unsqueeze|Split|SplitWithSizes|Unbind|Cat|Stack|Clone|Flatten|Unflatten)"
+    r"Backward\d|BackwardHookFunctionBackward"
+)
+# autocast's cast of a parameter (and any `.to`): its gradient formed in the cast's dtype
+_CAST = "ToCopyBackward0"
+# a backward that cannot be looked into (torch.compile's, AOTAutograd's)
+_OPAQUE = "CompiledFunctionBackward"
+# where a gradient formed, the weakest first: a leaf reached along several paths takes the last
+_FORMED = ("fp32", _OPAQUE, "fp16")
+
+
+class Fp16Gradients:
+    """What the fit reads: the gradients formed in fp16, one backward at a time.
+
+    Under fp16 autocast a Linear's weight and bias are cast to fp16, so their gradients form in
+    fp16 (and reach the fp32 `.grad` through the cast's backward, unchanged); a LayerNorm's, an
+    embedding's, a gain's form in fp32 and cannot overflow fp16's range. So at the first loss
+    the scaler sees, the autograd graph is walked once: a leaf reached through a cast, or of
+    dtype float16 (a model in fp16, FSDP2's `param_dtype`), forms its gradient in fp16; one
+    reached only through other ops forms it in fp32 and is not read; one behind a backward that
+    cannot be looked into (torch.compile's) is read, with a warning, once (the safe side).
+    A parameter the walk never met is read; where nothing forms in fp16 (no autocast, no fp16
+    parameter), there is nothing to tell apart, and every gradient is read.
+
+    With one backward an iteration the fit reads `.grad` at the step (one pass, as before).
+    Accumulated micro-batches make `.grad` up to K times any one backward's fp16 tensor, so from
+    the iteration's second loss on, each backward's own gradients are read as they arrive (a
+    hook per fp16-formed leaf: one small kernel per gradient tensor per backward), the first
+    backward's from `.grad` when the second loss is scaled; the step's `.grad` pass then only
+    says whether anything is non-finite. Where the graph's leaves are not the optimizer's
+    parameters (FSDP2 all-gathers unsharded ones, whose gradients are the fp16 tensors; the
+    optimizer's sharded `.grad` is their reduction), every backward is read that way, from
+    the second iteration on.
+    """
+
+    def __init__(self) -> None:
+        self.fp32_formed: frozenset[int] = frozenset()
+        """The ids of the leaves whose gradients form in fp32: not read."""
+        self._looked = False
+        self._leaves: list[weakref.ref[torch.Tensor]] = []  # the fp16-formed ones
+        self._leaf_ids: frozenset[int] = frozenset()  # every leaf's
+        # whether the graph's leaves are others than the optimizer's parameters (FSDP2's
+        # unsharded ones): then every backward is read as it arrives (None: not known yet)
+        self._foreign: bool | None = None
+        self._readings: list[torch.Tensor] | None = None  # this iteration's, once it accumulates
+        self._losses: list[torch.Tensor] = []
+
+    def saw_loss(self, loss: torch.Tensor, book: Any) -> None:
+        """`scale()` took `loss`, the latest of the iteration `book`'s losses; per-backward
+        readings of this iteration go to `book.fit_readings`."""
+        if not self._looked and loss.grad_fn is not None:  # the first loss with a graph
+            self._looked = True
+            self._look(loss)
+        losses, readings = book.losses, book.fit_readings
+        self._losses, self._readings = losses, readings
+        if len(losses) == 2:  # the first backward is over: its gradients are .grad now
+            leaves = [leaf for ref in self._leaves if (leaf := ref()) is not None]
+            groups, _ = GradWalk().groups(leaves)
+            first = peak((groups,), loss.device, None)
+            if first is not None:
+                readings.append(first)
+
+    def read(
+        self,
+        groups: tuple[Any, ...],
+        params: list[torch.Tensor],
+        device: torch.device,
+        scale: torch.Tensor | None,
+        book: Any,
+    ) -> torch.Tensor | None:
+        """The largest |scaled gradient| of the iteration `book`'s backwards: of `groups`, the
+        `.grad` of `params` (times `scale` where unscaled already), those formed in fp32 left
+        out; or the largest each backward held (`book.fit_readings`: under accumulation, and
+        where the graph's leaves are not `params`, FSDP2's unsharded parameters), where `.grad`
+        is finite (a non-finite `.grad` says so itself)."""
+        if self._foreign is None and self._leaf_ids:  # learnt once, at the first step
+            self._foreign = not any(id(param) in self._leaf_ids for param in params)
+        if self.fp32_formed and not self._foreign:
+            kept = (param for param in params if id(param) not in self.fp32_formed)
+            groups = (GradWalk().groups(kept)[0],)
+        readings = book.fit_readings
+        largest = peak(groups, device, scale)
+        if not readings or largest is None:
+            return largest
+        each = torch.stack([move(reading, device) for reading in readings]).amax()
+        return torch.where(torch.isfinite(largest), each, largest)
+
+    def _look(self, loss: torch.Tensor) -> None:
+        """Walk `loss`'s graph once: which leaves form their gradient in fp32 (not read), and a
+        hook on each of the others, for the backwards of accumulated micro-batches."""
+        fp16, fp32, opaque = _leaves_by_precision(loss.grad_fn)
+        if not fp16:  # nothing forms in fp16 (no autocast, no fp16 leaf): nothing to tell apart
+            fp16, fp32 = fp32, []
+        self.fp32_formed = frozenset(map(id, fp32))
+        self._leaf_ids = frozenset(map(id, [*fp16, *fp32]))
+        for leaf in fp16:
+            self._leaves.append(weakref.ref(leaf))
+            leaf.register_hook(functools.partial(_read_backward, weakref.ref(self)))  # type: ignore[no-untyped-call]
+        if opaque:
+            warnings.warn(_OPAQUE_WARNING.format(count=opaque), ShardScaleWarning, stacklevel=4)
+
+    def on_backward(self, grad: torch.Tensor) -> None:
+        """One leaf's gradient in one backward (a hook): read from the iteration's second loss,
+        and always where the leaves are not the optimizer's parameters."""
+        readings = self._readings
+        wanted = len(self._losses) >= 2 or self._foreign
+        if readings is not None and wanted and not grad.is_sparse:
+            values = local_tensor(grad) if isinstance(grad, DTensor) else grad
+            readings.append(torch.linalg.vector_norm(values, math.inf, dtype=torch.float32))
+
+
+def _read_backward(reader: weakref.ref[Fp16Gradients], grad: torch.Tensor) -> None:
+    """A leaf's hook: hands its gradient to the reader, while it lives."""
+    alive = reader()
+    if alive is not None:
+        alive.on_backward(grad)
+
+
+_OPAQUE_WARNING = (
+    "scale_policy='fit' cannot tell how {count} parameter(s) form their gradients: their "
+    "backward is opaque (torch.compile's). It reads them all, as if formed in fp16: the safe "
+    "side (where some form in fp32 it holds a lower scale than it needs). Said once"
+)
+
+
+def _leaves_by_precision(root: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """The leaves under autograd node `root`: those whose gradients form in fp16 (reached
+    through a cast, of dtype float16, or behind an opaque backward), those whose gradients
+    form in fp32 (reached through other ops alone), and how many were behind an opaque one.
+
+    One walk from the root: each node passes on where the gradient it hands down formed (a
+    cast: fp16; an opaque backward: unknown; a node of `_THROUGH`: what it was handed; any
+    other: fp32), and each leaf keeps the strongest it is handed along any path."""
+    formed: dict[Any, str] = {}  # the leaves' AccumulateGrad nodes
+    stack, seen = [(root, "fp32")], set()
+    while stack:
+        node, handed = stack.pop()
+        name = type(node).__name__
+        here = "fp16" if name == _CAST else _OPAQUE if name.startswith(_OPAQUE) else "fp32"
+        here = handed if _THROUGH.fullmatch(name) else here
+        for child, _ in node.next_functions:
+            if child is None or (child, here) in seen:
+                continue
+            seen.add((child, here))
+            if hasattr(child, "variable"):
+                formed[child] = max(formed.get(child, "fp32"), here, key=_FORMED.index)
+            else:
+                stack.append((child, here))
+    fp16 = [n.variable for n, f in formed.items() if f != "fp32" or n.variable.dtype == torch.half]
+    fp32 = [n.variable for n, f in formed.items() if f == "fp32" and n.variable.dtype != torch.half]
+    return fp16, fp32, sum(f == _OPAQUE for f in formed.values())

@@ -93,7 +93,7 @@ def _number(state_dict: Mapping[str, Any], key: str, kind: type[int] | type[floa
 
 def parse_state_dict(
     state_dict: Mapping[str, Any], current: ScalePolicy, chosen: frozenset[str] = frozenset()
-) -> tuple[ScalerState, list[str]]:
+) -> tuple[ScalerState, str | None]:
     """Validate `state_dict` whole and return the state it describes, under the settings that
     win, with a line for each setting the checkpoint and the loading scaler disagree on.
 
@@ -114,7 +114,8 @@ def parse_state_dict(
             other than their defaults (`ScalerConfig.chosen`).
 
     Returns:
-        The state, and one line per setting that differed (empty: none did), for a warning.
+        The state, and a warning's message naming each setting that differed, both values and
+        which won (None: none did).
 
     Raises:
         RuntimeError: the dict is empty (saved by a disabled scaler), as torch words it.
@@ -141,13 +142,13 @@ def parse_state_dict(
     scale_state = ScaleState(scale, growth_tracker, tracker, **fit_state)
     saved.check_state(scale_state)  # whole, as it was saved
     kept = replace(current, **{k: v for k, v in policy_changes.items() if k not in chosen})
-    differences = _differences(current, saved, chosen)
     within = min(max(scale, kept.min_scale), kept.max_scale)
-    if within != scale:
-        differences.append(f"the checkpoint's scale {scale:g} becomes {within:g}, within them")
     trackers = {"scale": within, "hysteresis_tracker": min(tracker, kept.hysteresis)}
     state = ScalerState(kept, replace(scale_state, **trackers), _counters(state_dict))
-    return state, differences
+    message = _differences(current, saved, chosen)
+    if message is not None and within != scale:
+        message += f" The checkpoint's scale {scale:g} becomes {within:g}, within them."
+    return state, message
 
 
 # The settings a checkpoint may disagree with the loading scaler on: torch's (the checkpoint's
@@ -157,9 +158,9 @@ _OUR_SETTINGS = {"hysteresis": "hysteresis", "min_scale": "min_scale", "max_scal
 _OUR_SETTINGS |= {"dynamic": "dynamic", "fit": "scale_policy"}
 
 
-def _differences(current: ScalePolicy, saved: ScalePolicy, chosen: frozenset[str]) -> list[str]:
-    """Each setting the loading scaler's policy and the checkpoint's disagree on: both values,
-    and which won."""
+def _differences(current: ScalePolicy, saved: ScalePolicy, chosen: frozenset[str]) -> str | None:
+    """`load_state_dict`'s warning, where the loading scaler's settings and the checkpoint's
+    disagree: each setting, both values, and which won (None: they agree)."""
     lines = []
     for name, key in {**{k: k for k in _TORCH_SETTINGS}, **_OUR_SETTINGS}.items():
         mine, theirs = getattr(current, name), getattr(saved, name)
@@ -168,16 +169,21 @@ def _differences(current: ScalePolicy, saved: ScalePolicy, chosen: frozenset[str
         if mine == theirs:
             continue
         if name in chosen:
-            lines.append(
-                f"this scaler's {key}={mine!r} (its argument) is kept over the "
-                f"checkpoint's {theirs!r}"
-            )
+            line = f"this scaler's {key}={mine!r} (its argument) is kept over the checkpoint's"
+            lines.append(f"{line} {theirs!r}")
         else:
             default = "" if name in _TORCH_SETTINGS else " (its default)"
-            lines.append(
-                f"the checkpoint's {key}={theirs!r} replaces this scaler's {mine!r}{default}"
-            )
-    return lines
+            line = f"the checkpoint's {key}={theirs!r} replaces this scaler's {mine!r}"
+            lines.append(line + default)
+    if not lines:
+        return None
+    return (
+        "load_state_dict(): the checkpoint's settings differ from this scaler's: "
+        + "; ".join(lines)
+        + ". torch's keys load as torch's scalers load them; shardscale's settings given to this "
+        "scaler stay its own, those left at their defaults are the checkpoint's "
+        "(docs/checkpoints.md)."
+    )
 
 
 def _version(state_dict: Mapping[str, Any]) -> int:

@@ -107,18 +107,13 @@ def flags_of(records: list[OptimizerRecord]) -> ReadOnlyDict:
     agreed; before, between `unscale_()` and its agreement, this rank's own (with a warning);
     empty where none was checked."""
     local = [record.local_flags for record in records if record.verdict is None]
+    agreed = combined(record.verdict for record in records)
+    flags = {} if agreed is None else {agreed.found_inf.device: agreed.found_inf}
+    for device, flag in ((d, f) for piece in local if piece for d, f in piece.items()):
+        flags[device] = torch.maximum(flags[device], flag) if device in flags else flag
     if any(local):
         warnings.warn(LOCAL_FLAGS_WARNING, ShardScaleWarning, stacklevel=3)
-    agreed = combined(record.verdict for record in records)
-    pieces = [flags for flags in local if flags]
-    if agreed is not None:
-        pieces.append({agreed.found_inf.device: agreed.found_inf})
-    merged: dict[torch.device, torch.Tensor] = {}
-    for piece in pieces:
-        for device, flag in piece.items():
-            known = merged.get(device)
-            merged[device] = flag if known is None else torch.maximum(known, flag)
-    return ReadOnlyDict(merged)
+    return ReadOnlyDict(flags)
 
 
 def unscale_grads(

@@ -9,12 +9,14 @@ checked by [`ScalePolicy`][], which the config builds.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from shardscale._errors import ShardScaleWarning
 from shardscale._policy import MIN_SCALE, ScalePolicy, check_bool, check_choice, check_int
 
 
@@ -136,8 +138,32 @@ class ScalerConfig:
         names = ("hysteresis", "min_scale", "max_scale", "dynamic", "fit")
         return frozenset(n for n in names if getattr(policy, n) != getattr(default, n))
 
+    def warn_unused(self) -> None:
+        """Warn where the interval rule's own settings were given to a scaler that fits."""
+        given = {"growth_factor": self.growth_factor, "growth_interval": self.growth_interval}
+        changed = {name: value for name, value in given.items() if value != _INTERVAL[name]}
+        warn_unused_by_the_fit(self.policy(), stacklevel=4, **changed)
+
     def first_scale(self) -> float:
         """`init_scale`, or its default: `2.0**16`, 1.0 for a static scale."""
         if self.init_scale is not None:
             return self.init_scale
         return 2.0**16 if self.dynamic else 1.0
+
+
+# The interval rule's own settings, at their defaults (the fit does not use them).
+_INTERVAL = {"growth_factor": 2.0, "growth_interval": 2000}
+
+
+def warn_unused_by_the_fit(policy: ScalePolicy, stacklevel: int = 3, **settings: float) -> None:
+    """Warn where the interval rule's own settings are given to a scaler that fits its scale:
+    accepted (they are checked, kept, and saved), but they move nothing."""
+    if policy.fit and settings:
+        named = ", ".join(f"{name}={value!r}" for name, value in settings.items())
+        warnings.warn(
+            f"{named} is not used by scale_policy='fit': the fit sets the scale from the "
+            "gradients after every clean step; growth_factor and growth_interval are the "
+            "interval rule's (scale_policy='interval')",
+            ShardScaleWarning,
+            stacklevel=stacklevel,
+        )

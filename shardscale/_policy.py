@@ -425,15 +425,20 @@ class ScalePolicy:
         shifted = torch.cat((torch.where(clean, seen, 0.0).reshape(1), window[:-1]))
         widest = shifted.amax()
         fitted = torch.exp2(16.0 - margin).div_(widest).clamp_(self.min_scale, self.max_scale)
-        tolerated = (overflow > 0) & (hysteresis_tracker > 1)
-        jump = torch.pow(self.backoff_factor, torch.exp2(streak.double()))
-        backed = (scale.double() * jump).float().clamp_(min=self.min_scale)
-        backed = torch.where(tolerated, scale, backed)
+        if math.frexp(self.backoff_factor)[0] == 0.5:  # a power of two: float32 is exact
+            backed = scale * torch.pow(self.backoff_factor, torch.exp2(streak))
+        else:  # each product in float64, rounded once, as the reference takes it
+            jump = torch.pow(self.backoff_factor, torch.exp2(streak.double()))
+            backed = (scale.double() * jump).float()
+        backed.clamp_(min=self.min_scale)
+        if self.hysteresis > 1:  # else nothing is tolerated, and the tracker stays at 1
+            tolerated = (overflow > 0) & (hysteresis_tracker > 1)
+            backed = torch.where(tolerated, scale, backed)
+            new_tracker = torch.where(clean, self.hysteresis, hysteresis_tracker - tolerated.int())
+            torch.where(moves, new_tracker, hysteresis_tracker, out=hysteresis_tracker)
         kept = torch.where(clean & (widest > 0), fitted, scale)
         moved = torch.where(overflow > 0, backed, kept)
         torch.where(moves, moved, scale, out=scale)
-        new_tracker = torch.where(clean, self.hysteresis, hysteresis_tracker - tolerated.int())
-        torch.where(moves, new_tracker, hysteresis_tracker, out=hysteresis_tracker)
         learned = (window.amax() > 0).gt(nan)  # the window said this scale was safe; no NaN
         widened = (margin + overflow * learned).clamp_(max=FIT_MAX_MARGIN)
         streaked = (streak + 1).clamp_(max=FIT_MAX_STREAK) * overflow

@@ -460,6 +460,8 @@ class IterationBook:
         loss_nonfinite: bool scalar: some loss `scale()` multiplied in this iteration was inf or NaN
             (None: none was scaled on this rank).
         losses: The losses themselves (detached), to locate a forward overflow.
+        fit_readings: Each backward's largest |scaled gradient| formed in fp16, where the
+            iteration accumulates micro-batches (`shardscale._bins.Fp16Gradients`).
     """
 
     step: int
@@ -469,6 +471,7 @@ class IterationBook:
     pending: PendingCheck = field(default_factory=PendingCheck)
     loss_nonfinite: torch.Tensor | None = None
     losses: list[torch.Tensor] = field(default_factory=list)
+    fit_readings: list[torch.Tensor] = field(default_factory=list)
 
     def note_loss(self, loss: torch.Tensor, into: torch.Tensor | None) -> None:
         """Remember on the device whether `loss` is finite: two kernels (a third for a loss of

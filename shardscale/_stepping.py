@@ -34,7 +34,7 @@ from typing import Any, TypeAlias, cast
 
 import torch
 
-from shardscale._bins import NAN_MARK, counted, counts_can_travel, peak, power_above
+from shardscale._bins import NAN_MARK, Fp16Gradients, counted, counts_can_travel, power_above
 from shardscale._check import Flags, Kernels, exact_norm_check
 from shardscale._config import ScalerConfig
 from shardscale._errors import ShardScaleWarning
@@ -177,6 +177,7 @@ class Stepper:
         self._locate_overflow = config.locate_overflow
         self._meter_every = config.underflow_every
         self._walk = GradWalk()
+        self.fp16 = Fp16Gradients()  # which gradients the fit reads, per backward
         # Whether this scaler has been through an agreement: every rank passes its first at the
         # same collective, so "defer unscale_'s agreement" is decided alike everywhere.
         self._agreed_once = False
@@ -240,14 +241,14 @@ class Stepper:
             self.agree(book, scale, "unscale_", unscale=to_check)
         elif to_check:
             with torch.no_grad():
-                groups, has_elements = self._walk.groups(
-                    optimizer_params(map(_OPTIMIZER, to_check))
-                )
+                params = list(optimizer_params(map(_OPTIMIZER, to_check)))
+                groups, has_elements = self._walk.groups(params)
                 # the meter's step: an inf-norm clip may still undo it
                 counting = self._counting(book, scale.device, None)
                 flags: Flags = {}
                 inv = self.kernels.inverse(scale)
-                reading = self._check_local(groups, {}, scale.device, inv, flags, counting)
+                checks: tuple[GradGroups, GradGroups] = (groups, {})
+                reading = self._check_local(book, checks, params, inv, flags, counting)
             pending = book.pending
             pending.records.extend(to_check)
             pending.flags.extend(flags.values())
@@ -275,10 +276,10 @@ class Stepper:
         """
         device = scale.device
         with torch.no_grad():
-            to_unscale, has_elements = self._walk.groups(optimizer_params(map(_OPTIMIZER, unscale)))
-            to_check, checked_has_elements = self._walk.groups(
-                optimizer_params(map(_OPTIMIZER, check))
-            )
+            params = list(optimizer_params(map(_OPTIMIZER, unscale)))
+            to_unscale, has_elements = self._walk.groups(params)
+            checked = list(optimizer_params(map(_OPTIMIZER, check)))
+            to_check, checked_has_elements = self._walk.groups(checked)
             counting = self._counting(book, device, None)
             has_scale = not self.home.unconfirmed
             has_elements = has_elements or checked_has_elements
@@ -286,7 +287,8 @@ class Stepper:
             inv = self.kernels.inverse(scale) if unscale else None
             flags = {ballot.skip.device: ballot.skip}
             unscaling = inv if has_scale else None  # unconfirmed: check now, unscale after
-            reading = self._check_local(to_unscale, to_check, device, unscaling, flags, counting)
+            checks, everything = (to_unscale, to_check), [*params, *checked]
+            reading = self._check_local(book, checks, everything, unscaling, flags, counting)
             verdict = self._exchange(book, ballot, flags, reading, caller, None, [*unscale, *check])
             if not has_scale and inv is not None:  # the group confirmed a scale: unscale now
                 self.kernels.multiply_(to_unscale, inv)
@@ -315,7 +317,8 @@ class Stepper:
             ballot = self._ballot(book, device, has_elements, has_scale, norm_type, counting, scale)
             unscaled = None if request.scaled else scale  # its gradients' peak is times the scale
             wanted = scale is not None and (counting or self.home.host.policy.fit)
-            reading = self._read((norms,), device, unscaled, counting) if wanted else None
+            read = (book, (norms,), request.params, device)
+            reading = self._read(*read, unscaled, counting) if wanted else None
             inv = kernels.inverse(scale) if request.scaled and scale is not None else None
             # The norms' check raises the ballot's own slot (no kernel of its own) where a
             # non-finite norm means a non-finite element; otherwise the elements are checked.
@@ -336,19 +339,21 @@ class Stepper:
 
     def _check_local(
         self,
-        unscale: GradGroups,
-        check: GradGroups,
-        device: torch.device,
+        book: IterationBook,
+        groups: tuple[GradGroups, GradGroups],
+        params: list[torch.Tensor],
         inv_scale: torch.Tensor | None,
         flags: Flags,
         counting: bool,
     ) -> Reading | None:
         """The local check, the same for an agreement and for `unscale_`'s deferred one: what
-        the fit and the meter read of the still-scaled gradients, where they want it; then one
-        fused check per group of `unscale`, which also multiplies by `inv_scale` (if given), and
-        of `check`, raising `flags`."""
+        the fit and the meter read of the still-scaled gradients (of `params`), where they want
+        it; then one fused check per group of the first `groups`, which also multiplies by
+        `inv_scale` (if given), and of the second, raising `flags`."""
+        unscale, check = groups
         wanted = counting or self.home.host.policy.fit
-        reading = self._read((unscale, check), device, None, counting) if wanted else None
+        device = self.home.require("step").scale.device
+        reading = self._read(book, groups, params, device, None, counting) if wanted else None
         self.kernels.check_(unscale, inv_scale, flags)
         if check:
             self.kernels.check_(check, None, flags)
@@ -356,16 +361,19 @@ class Stepper:
 
     def _read(
         self,
+        book: IterationBook,
         groups: tuple[GradGroups | NormGroups, ...],
+        params: list[torch.Tensor],
         device: torch.device,
         scale: torch.Tensor | None,
         counting: bool,
     ) -> Reading:
-        """What the fit and the meter read of `groups` (times `scale`, for gradients unscaled
-        already): the largest |gradient| where the fit wants it, the counts on the meter's
-        steps (`shardscale._bins`)."""
+        """What the fit and the meter read of `groups`, the gradients of `params` (times
+        `scale`, for gradients unscaled already): the largest |gradient| fp16 held where the fit
+        wants it (of those formed in fp16: `shardscale._bins.Fp16Gradients`), the counts on the
+        meter's steps (`shardscale._bins`)."""
         fit = self.home.host.policy.fit
-        largest = peak(groups, device, scale) if fit else None
+        largest = self.fp16.read(groups, params, device, scale, book) if fit else None
         return largest, counted(groups, device, scale) if counting else None
 
     def _counting(self, book: IterationBook, device: torch.device, norm_type: float | None) -> bool:

@@ -34,7 +34,7 @@ from torch.utils.hooks import RemovableHandle
 from shardscale import _compat
 from shardscale._check import check_clip_args
 from shardscale._checkpoint import parse_state_dict, state_numbers, to_state_dict
-from shardscale._config import ScalerConfig
+from shardscale._config import ScalerConfig, warn_unused_by_the_fit
 from shardscale._errors import ShardScaleWarning, no_scale_message
 from shardscale._exchange import Exchange, Flag, Verdict, combined
 from shardscale._grads import grads_device, move, plain_replicas
@@ -62,8 +62,6 @@ from shardscale._stepping import ClipRequest, OptimizerTarget, Stepper, leaves
 __all__ = ["ShardedGradScaler"]
 
 _VERDICT = operator.attrgetter("verdict")
-# The interval rule's own settings, at their defaults (the fit does not use them).
-_INTERVAL = {"growth_factor": 2.0, "growth_interval": 2000}
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -209,9 +207,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             )
             enabled = False
         policy = config.policy()
-        given = {"growth_factor": growth_factor, "growth_interval": growth_interval}
-        changed = {name: value for name, value in given.items() if value != _INTERVAL[name]}
-        _warn_unused_by_the_fit(policy, **changed)
+        config.warn_unused()  # the interval rule's settings given to the fit
         state = ScalerState(policy, policy.initial_state(config.first_scale()), Counters())
         self._setup(config, enabled, state)
 
@@ -256,7 +252,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the scale growth factor (> 1); the fit does not use it (a warning says so)."""
         self._home.set_policy(growth_factor=new_factor)
-        _warn_unused_by_the_fit(self.policy, growth_factor=new_factor)
+        warn_unused_by_the_fit(self.policy, growth_factor=new_factor)
 
     def get_backoff_factor(self) -> float:
         """Return the scale backoff factor."""
@@ -274,7 +270,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """Set the number of clean steps before the scale grows (>= 1); the fit does not use it
         (a warning says so)."""
         self._home.set_policy(growth_interval=new_interval)
-        _warn_unused_by_the_fit(self.policy, growth_interval=new_interval)
+        warn_unused_by_the_fit(self.policy, growth_interval=new_interval)
 
     # ------------------------------------------------------------------ the iteration
 
@@ -316,6 +312,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
             )
         loss_scale = self._iteration_scale(outputs.device)
         self._book.note_loss(outputs, into=None if self._captured is None else self._captured[1])
+        if self.policy.fit:  # which gradients form in fp16; each backward's, when accumulating
+            self._stepper.fp16.saw_loss(outputs, self._book)
         return (outputs * move(loss_scale, outputs.device)).to(outputs.dtype)
 
     def _iteration_scale(self, device: torch.device) -> torch.Tensor:
@@ -750,9 +748,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return
-        state, differences = parse_state_dict(state_dict, self.policy, self._config.chosen())
-        if differences:
-            warnings.warn(_loaded_message(differences), ShardScaleWarning, stacklevel=2)
+        state, differing = parse_state_dict(state_dict, self.policy, self._config.chosen())
+        if differing is not None:
+            warnings.warn(differing, ShardScaleWarning, stacklevel=2)
         self._home.load(state)
         self._reporter.restart(state.counters)
         self._book.step = state.counters.steps + 1
@@ -904,27 +902,3 @@ def passes_itself(optimizer: object) -> bool:
         return "grad_scaler" in inspect.signature(step).parameters
     except (TypeError, ValueError):  # a builtin without a signature
         return False
-
-
-def _loaded_message(differences: list[str]) -> str:
-    """`load_state_dict`'s warning where the checkpoint's settings and this scaler's differ."""
-    return (
-        "load_state_dict(): the checkpoint's settings differ from this scaler's: "
-        + "; ".join(differences)
-        + ". torch's keys load as torch's scalers load them; shardscale's settings stay the "
-        "ones this scaler was built with (docs/checkpoints.md)."
-    )
-
-
-def _warn_unused_by_the_fit(policy: ScalePolicy, **settings: float) -> None:
-    """Warn where the interval rule's own settings are given to a scaler that fits its scale:
-    accepted (they are checked, kept, and saved), but they move nothing."""
-    if policy.fit and settings:
-        named = ", ".join(f"{name}={value!r}" for name, value in settings.items())
-        warnings.warn(
-            f"{named} is not used by scale_policy='fit': the fit sets the scale from the "
-            "gradients after every clean step; growth_factor and growth_interval are the "
-            "interval rule's (scale_policy='interval')",
-            ShardScaleWarning,
-            stacklevel=3,
-        )

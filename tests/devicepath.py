@@ -148,7 +148,8 @@ class DeviceCounter(TorchDispatchMode):
         kernels: the op names counted as kernels, in order (for messages).
         log: host syncs in order, ``("read", None)``, ``("to_cpu", None)`` (``_to_copy``) and
             ``("copy", value)`` (``copy_``), for tests of what comes before them.
-        landing: what a non-blocking copy lands as (None: ``value``).
+        landing: what a device->host copy lands as, where a read answers ``value`` (None:
+            ``value`` too): a read of one flag and a copy of several counters may then differ.
         path: the log of the ``cuda_path()`` seam the counted code runs under, whose waits
             for copies to land are this counter's ``event_waits``.
     """
@@ -158,7 +159,7 @@ class DeviceCounter(TorchDispatchMode):
     ) -> None:
         super().__init__()
         self.value = value
-        # what a non-blocking copy lands as (None: `value`), e.g. quiet streaks under flags
+        # what a device->host copy lands as (None: `value`), e.g. quiet streaks under flags
         # that read "skipped"
         self.landing = landing
         # the seam's log, whose waits this counts (None: no event waits are counted)
@@ -221,7 +222,8 @@ class DeviceCounter(TorchDispatchMode):
                 self.d2h.append(non_blocking)
                 self.log.append(("to_cpu", None))
                 dtype = kwargs.get("dtype") or args[0].dtype
-                return torch.full(args[0].shape, self.value, dtype=dtype)
+                landed = self.value if self.landing is None else self.landing
+                return torch.full(args[0].shape, landed, dtype=dtype)
             if source.type == "cpu" and target == META:
                 self.h2d.append(non_blocking)
                 return func(*args, **kwargs)
@@ -230,7 +232,7 @@ class DeviceCounter(TorchDispatchMode):
             non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
             if source == META and destination.type == "cpu":
                 self.d2h.append(non_blocking)
-                landed = self.value if self.landing is None or not non_blocking else self.landing
+                landed = self.value if self.landing is None else self.landing
                 self.log.append(("copy", landed))
                 return args[0].fill_(landed)
             if source.type == "cpu" and destination == META:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardscale import ShardedGradScaler, count_collectives
+from shardscale import ShardedGradScaler, ShardScaleWarning, count_collectives
 from shardscale._policy import FIT_MARGIN, FIT_WINDOW
 from tests.harness import run_ranks
 
@@ -405,3 +405,135 @@ def test_fit_resumes_through_dcp_at_another_world_size_and_the_ranks_agree(tmp_p
             assert result["after"] == results[0]["after"]
             assert result["after"]["scale_policy"] == "fit"
             assert result["after"]["steps"] == states[0]["steps"] + 1
+
+
+# ---------------------------------------------------------------- what the fit reads (issue 49)
+
+
+class _Gained(nn.Module):
+    """An input gain (fp32, outside autocast's casts) before two autocast Linears: the gain's
+    gradient forms in fp32 and is the largest (2^2 here, the Linears' at most 2^-4), so a fit
+    that read it held a scale 2^7 below the largest that keeps every fp16 tensor finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gain = nn.Parameter(torch.full((32,), 1e-5))
+        self.fc1, self.fc2 = nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            return self.fc2(torch.relu(self.fc1(x * self.gain))).float()
+
+
+def _gained_losses(model: nn.Module, step: int, micro: int) -> Any:
+    for k in range(micro):  # a mean over micro-batches, as accumulation divides it
+        inputs = torch.randn(64, 32, generator=torch.Generator().manual_seed(100 * step + k))
+        yield model(inputs * 4096).pow(2).mean() / micro
+
+
+def _largest_safe_exponent(micro: int) -> int:
+    """The largest e at which every micro-batch's backward at scale 2^e stays finite."""
+    model, best = _Gained(), 0
+    for exponent in range(40):
+        for loss in _gained_losses(model, 0, micro):
+            model.zero_grad()
+            (loss * 2.0**exponent).backward()
+            if not all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()):  # type: ignore[arg-type]
+                return best
+        best = exponent
+    return best
+
+
+@pytest.mark.parametrize("micro", [1, 8])
+def test_fit_reads_the_fp16_tensors_one_backward_at_a_time_and_ends_near_the_safe_scale(
+    micro: int,
+) -> None:
+    safe = _largest_safe_exponent(micro)
+    model = _Gained()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the same gradients every step
+    scaler = ShardedGradScaler(scale_policy="fit")
+    skips = 0
+    for step in range(30):
+        optimizer.zero_grad()
+        for loss in _gained_losses(model, step % 2, micro):
+            scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        skips += scaler.last_step_skipped
+    assert scaler._stepper.fp16.fp32_formed == {id(model.gain)}  # the gain is not read
+    assert safe == (19 if micro == 1 else 22)  # the model as documented
+    assert safe - 2 <= math.log2(scaler.get_scale()) <= safe
+    assert skips <= 3
+
+
+def test_fit_tells_the_gradients_formed_in_fp16_from_those_formed_in_fp32() -> None:
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gain, self.embedding = nn.Parameter(torch.ones(8)), nn.Embedding(4, 8)
+            self.norm, self.fc, self.head = nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.float16):
+                return self.head(self.norm(self.fc(x * self.gain + self.embedding(ids)))).float()
+
+    model = Mixed()
+    scaler = ShardedGradScaler(scale_policy="fit")
+    scaler.scale(model(torch.randn(3, 8), torch.tensor([0, 1, 2])).sum()).backward()
+    fp32 = scaler._stepper.fp16.fp32_formed
+    formed = {name: "fp32" if id(p) in fp32 else "fp16" for name, p in model.named_parameters()}
+    assert formed == {
+        "gain": "fp32",  # an elementwise product: fp32 under autocast
+        "embedding.weight": "fp32",
+        "norm.weight": "fp32",  # autocast runs layer_norm in fp32
+        "norm.bias": "fp32",
+        "fc.weight": "fp16",  # cast to fp16 by autocast: its gradient forms there
+        "fc.bias": "fp16",
+        "head.weight": "fp16",
+        "head.bias": "fp16",
+    }
+
+
+def test_fit_reads_every_gradient_of_a_model_in_fp16_and_of_one_without_fp16() -> None:
+    for dtype in (torch.float16, torch.float32):  # nothing to tell apart in either
+        model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)).to(dtype)
+        scaler = ShardedGradScaler(scale_policy="fit")
+        scaler.scale(model(torch.randn(2, 8, dtype=dtype)).float().sum()).backward()
+        assert scaler._stepper.fp16.fp32_formed == frozenset()
+
+
+def test_fit_under_torch_compile_reads_everything_and_says_so_once() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    compiled = torch.compile(model, backend="aot_eager")
+    scaler = ShardedGradScaler(scale_policy="fit")
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = compiled(torch.randn(2, 8)).float().sum()
+    with pytest.warns(ShardScaleWarning, match=r"cannot tell how .* opaque \(torch.compile"):
+        scaler.scale(loss)
+    assert scaler._stepper.fp16.fp32_formed == frozenset()  # the safe side: read them all
+
+
+def _ranks_gained_fsdp2(rank: int, world_size: int) -> float:
+    """The model above under FSDP2 (its unsharded parameters are the graph's leaves, not the
+    optimizer's sharded ones), the same batches on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _Gained()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = ShardedGradScaler(scale_policy="fit")
+    for step in range(30):
+        optimizer.zero_grad()
+        for loss in _gained_losses(model, step % 2, 1):
+            scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return math.log2(scaler.get_scale())
+
+
+def test_fit_under_fsdp2_reads_the_unsharded_fp16_gradients() -> None:
+    """FSDP2 all-gathers unsharded parameters, whose gradients are the fp16 tensors: read in
+    each backward, the gain's left out, the scale ends where one process's does."""
+    assert run_ranks(_ranks_gained_fsdp2, 2) == [19.0, 19.0]
