@@ -139,10 +139,21 @@ class ScalerConfig:
         return frozenset(n for n in names if getattr(policy, n) != getattr(default, n))
 
     def warn_unused(self) -> None:
-        """Warn where the interval rule's own settings were given to a scaler that fits."""
-        given = {"growth_factor": self.growth_factor, "growth_interval": self.growth_interval}
+        """Warn where the settings that move the scale were given to a scaler whose scale they
+        cannot move: the interval rule's, to one that fits; any, to one held fixed."""
+        given = {name: getattr(self, name) for name in _INTERVAL}
         changed = {name: value for name, value in given.items() if value != _INTERVAL[name]}
-        warn_unused_by_the_fit(self.policy(), stacklevel=4, **changed)
+        fit_ignores = {
+            k: v for k, v in changed.items() if k in ("growth_factor", "growth_interval")
+        }
+        warn_unused_by_the_fit(self.policy(), stacklevel=4, **fit_ignores)
+        if not self.dynamic and changed:
+            named = ", ".join(f"{name}={value!r}" for name, value in changed.items())
+            warnings.warn(
+                f"{named}: not used with dynamic=False (the scale is fixed)",
+                ShardScaleWarning,
+                stacklevel=3,
+            )
 
     def first_scale(self) -> float:
         """`init_scale`, or its default: `2.0**16`, 1.0 for a static scale."""
@@ -151,8 +162,9 @@ class ScalerConfig:
         return 2.0**16 if self.dynamic else 1.0
 
 
-# The interval rule's own settings, at their defaults (the fit does not use them).
-_INTERVAL = {"growth_factor": 2.0, "growth_interval": 2000}
+# The settings that move the scale, at their defaults: the fit uses neither of the first two
+# (the interval rule's own), a fixed scale none.
+_INTERVAL = {"growth_factor": 2.0, "growth_interval": 2000, "backoff_factor": 0.5, "hysteresis": 1}
 
 
 def warn_unused_by_the_fit(policy: ScalePolicy, stacklevel: int = 3, **settings: float) -> None:

@@ -109,11 +109,15 @@ def locate(
     exchange: Exchange,
     step: int | None,
     losses: Iterable[torch.Tensor] = (),
+    required: bool = False,
 ) -> list[NonFiniteGrad]:
     """Count non-finite local gradient elements per original parameter (and in `losses`, as
     one `<loss>` record); gather over the group.
 
     Returns the same list on every rank: by rank, then in parameter order, the loss first.
+
+    Raises:
+        RuntimeError: `required`, and no rank held a gradient element to look at.
     """
     losses = list(losses)
     pieces = [(LOSS, torch.cat([loss.reshape(-1) for loss in losses]))] if losses else []
@@ -124,9 +128,7 @@ def locate(
         for (name, _), (infs, nans) in zip(pieces, counts, strict=True)
         if infs or nans
     ]
-    near = [values.device for _, values in pieces]
-    gathered = exchange.gather_objects(mine, step, "their non-finite gradient records", near)
-    return [record for records in gathered for record in cast(list[NonFiniteGrad], records)]
+    return _gathered(exchange, pieces, mine, step, "their non-finite gradient records", required)
 
 
 def locate_optimizers(
@@ -195,11 +197,16 @@ def find_nonfinite_grads(
         [`NonFiniteGrad`][] records (`rank`, `name`, `num_inf`, `num_nan`) for every
         (rank, parameter) with a non-finite element, identical on every rank, by rank then in
         parameter order. Empty when every gradient is finite.
+
+    Raises:
+        TypeError: `module` is not a module.
+        RuntimeError: no parameter holds a gradient element on any rank (nothing was looked
+            at: an empty list would read as "all finite"), on every rank together.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     exchange = Exchange(process_group, timeout_option("timeout", timeout))
-    return locate(_unwrapped(module).named_parameters(), exchange, None)
+    return locate(_unwrapped(module).named_parameters(), exchange, None, required=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +263,8 @@ def find_underflowing_grads(
 
     Raises:
         TypeError, ValueError: `module` is not a module, or `scale` is not a finite number > 0.
+        RuntimeError: no parameter holds a gradient element on any rank (nothing was counted),
+            on every rank together.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -272,9 +281,24 @@ def find_underflowing_grads(
         )
         if below
     ]
+    return _gathered(exchange, pieces, mine, None, "their underflowing gradient records", True)
+
+
+def _gathered(
+    exchange: Exchange, pieces: Pieces, mine: list[Any], step: int | None, what: str, required: bool
+) -> list[Any]:
+    """Every rank's records, in rank order, gathered on the device of the tensors counted;
+    `required`: where no rank held a gradient element, nothing was looked at, and every rank
+    raises together (an empty list would read as "none found")."""
     near = [values.device for _, values in pieces]
-    gathered = exchange.gather_objects(mine, None, "their underflowing gradient records", near)
-    return [record for records in gathered for record in cast(list[UnderflowingGrad], records)]
+    gathered = exchange.gather_objects((bool(pieces), mine), step, what, near)
+    held = [cast(tuple[bool, list[Any]], rank) for rank in gathered]
+    if required and not any(looked for looked, _ in held):
+        raise RuntimeError(
+            "no parameter holds a gradient element on any rank, so there was nothing to look "
+            "at: call it after the backward (before zero_grad), on every rank"
+        )
+    return [record for _, records in held for record in records]
 
 
 def log_located(step: int, located: list[NonFiniteGrad], forward: bool) -> None:
@@ -471,9 +495,10 @@ def watch_activations(
     """Where in `model` fp16 loses gradient: the gradient with respect to each module's output,
     in the backward the context surrounds, measured against fp16's normal range.
 
-    The parameters' gradients cannot show it: under autocast they are fp32, formed after the
-    activations' gradients (fp16) have already flushed to zero what fell below 2^-24 and
-    rounded what fell below 2^-14. So this watches the activations' gradients themselves:
+    The parameters' gradients show it late: they are formed after the activations' gradients
+    (fp16 under autocast) have already flushed to zero what fell below 2^-24 and rounded what
+    fell below 2^-14, and those of norms, embeddings and gains are formed in fp32 besides. So
+    this watches the activations' gradients themselves:
 
     ```python
     with shardscale.watch_activations(model) as watch:   # before the forward: it hooks it

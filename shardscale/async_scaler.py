@@ -42,6 +42,7 @@ arithmetic.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -53,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from shardscale._config import timeout_option
+from shardscale._errors import ShardScaleWarning
 from shardscale._exchange import Exchange
 from shardscale._report import ScalerStats
 from shardscale._state import device_path
@@ -153,6 +155,12 @@ class AsyncShardedGradScaler(ShardedGradScaler):
             raise ValueError(
                 "AsyncShardedGradScaler does not take verify_every: its collective would race "
                 "with the optimizer thread's; call verify_agreement() between iterations"
+            )
+        if kwargs.get("max_retries", 3) != 3:  # it bounds step(closure=...), refused here
+            warnings.warn(
+                "AsyncShardedGradScaler does not use max_retries: its step() refuses a closure",
+                ShardScaleWarning,
+                stacklevel=2,
             )
         if flag_backend is not None and not isinstance(flag_backend, str):
             raise TypeError(

@@ -62,6 +62,9 @@ from shardscale._stepping import ClipRequest, OptimizerTarget, Stepper, leaves
 __all__ = ["ShardedGradScaler"]
 
 _VERDICT = operator.attrgetter("verdict")
+_DISABLED_HOOK = (
+    "register_stats_hook() on a disabled scaler: it counts no step, so the hook never runs"
+)
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -154,11 +157,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
             largest scale that keeps the last 16 steps' largest gradient a learned margin below
             fp16's range, up or down, in one update; the gradients' largest magnitude travels
             in the same one collective (one more read pass over them); overflows still back off
-            (and widen the margin), and the floor, ceiling, hysteresis and forward-overflow hold
-            apply as before (docs/scale-policies.md). It fits the parameters' gradients: where
-            they are fp32 (autocast over fp32 weights) and larger than the backward's fp16
-            activation gradients, it holds a lower scale than those need (on the example GPT
-            2^14 where 2^16 never overflowed; docs/scale-policies.md, "The fit on the GPT job").
+            (and widen the margin, but a NaN's), and the floor, ceiling, hysteresis and
+            forward-overflow hold apply as before (docs/scale-policies.md). It reads the
+            gradients fp16 has to hold: those formed in fp16 (autocast casts a Linear's weight
+            and bias to fp16; a LayerNorm's, an embedding's, a gain's form in fp32 and are not
+            read: the graph is walked once), one backward at a time where micro-batches
+            accumulate (docs/scale-policies.md, "Which gradients the fit reads").
         underflow_every: every this many steps, measure how much of the gradient sits below
             fp16's normal range at the current scale: [`stats`][stats] `underflow` (the fraction
             of the non-zero gradient elements whose scaled magnitude is below 2^-14: subnormal
@@ -626,15 +630,16 @@ class ShardedGradScaler(torch.amp.GradScaler):
     # ------------------------------------------------------------------ what happened
 
     @property
-    def last_step_skipped(self) -> bool:
-        """Whether the most recent `step()` skipped the optimizer (on every rank).
+    def last_step_skipped(self) -> bool | None:
+        """Whether the most recent `step()` skipped the optimizer (on every rank); None before
+        the first step (no step to tell of).
 
         Free after a non-fused step (its decision was already read); after a fused step,
         reading it costs one host synchronisation on an accelerator.
         """
         last = self._last
         if last is None:
-            return False
+            return None
         if last.read is not None:  # the step read it
             return last.read
         # Read each time, never remembered: a CUDA-graph replay updates this very tensor.
@@ -668,6 +673,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        if not self._enabled:
+            warnings.warn(_DISABLED_HOOK, ShardScaleWarning, stacklevel=2)
         return self._reporter.register(hook)
 
     @property

@@ -15,7 +15,14 @@ import pytest
 import torch
 from torch import nn
 
-from shardscale import ShardedGradScaler, ShardScaleWarning, watch_activations
+from shardscale import (
+    AsyncShardedGradScaler,
+    ShardedGradScaler,
+    ShardScaleWarning,
+    find_nonfinite_grads,
+    find_underflowing_grads,
+    watch_activations,
+)
 
 
 def _model() -> nn.Module:
@@ -213,3 +220,44 @@ def test_meter_reads_none_until_it_has_measured() -> None:
         stats = scaler.stats
         seen.append((stats.underflow_step, stats.underflow is None))
     assert seen == [(None, True), (2, False), (2, False)]
+
+
+# ---------------------------------------------------------------- the rest of the class (the hunt)
+
+
+def test_find_grads_without_any_gradient_raises_instead_of_reading_clean() -> None:
+    model = _model()  # no backward yet: nothing to look at
+    with pytest.raises(RuntimeError, match=r"no parameter holds a gradient element on any rank"):
+        find_nonfinite_grads(model)
+    with pytest.raises(RuntimeError, match=r"no parameter holds a gradient element on any rank"):
+        find_underflowing_grads(model)
+    (_loss(model, 0) * 2.0**8).backward()
+    assert find_nonfinite_grads(model) == []  # looked: all finite
+
+
+def test_last_step_skipped_is_none_before_the_first_step() -> None:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = ShardedGradScaler()
+    assert scaler.last_step_skipped is None  # no step to tell of
+    scaler.scale(_loss(model, 0)).backward()
+    scaler.step(optimizer)
+    assert scaler.last_step_skipped is False
+
+
+def test_settings_a_fixed_scale_cannot_use_warn() -> None:
+    with pytest.warns(ShardScaleWarning, match=r"growth_interval=5: not used with dynamic=False"):
+        ShardedGradScaler(dynamic=False, init_scale=1.0, growth_interval=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ShardedGradScaler(scale_policy="fit", hysteresis=2, backoff_factor=0.25)  # the fit's own
+
+
+def test_a_hook_on_a_disabled_scaler_warns_it_never_runs() -> None:
+    with pytest.warns(ShardScaleWarning, match=r"disabled scaler: .* the hook never runs"):
+        ShardedGradScaler(enabled=False).register_stats_hook(lambda stats: None)
+
+
+def test_async_scaler_says_it_does_not_use_max_retries() -> None:
+    with pytest.warns(ShardScaleWarning, match=r"does not use max_retries"):
+        AsyncShardedGradScaler(max_retries=5)

@@ -248,7 +248,7 @@ class _Agreement:
                 )
             self.scaler.step(chain)
             self.scaler.update()
-        self.found_inf = self.scaler.last_step_skipped
+        self.found_inf = bool(self.scaler.last_step_skipped)  # a step was just taken: a bool
         return self.found_inf
 
     def start_step(self) -> None:
