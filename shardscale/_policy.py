@@ -51,10 +51,10 @@ else:
 ```
 
 The recent gradients, scaled, then stay below `2**(16 - margin)`; `2**16` is just above fp16's
-largest value (65504). The margin starts at 0 (within 2x of the largest scale the weights'
-gradients allow) and is learned: the weights' gradients are the last tensors of the backward,
-and the activations' gradients before them may overflow first. It never shrinks by itself: a
-probe would cost the skipped step the policy is there to avoid. Consecutive overflows back off
+largest value (65504). The margin starts at 1 (a bit below the largest scale the gradients it
+reads allow) and is learned: the weights' gradients are the last tensors of the backward, and
+the activations' gradients before them may overflow first (a NaN teaches nothing). It never
+shrinks by itself: a probe would cost the skipped step the policy is there to avoid. Consecutive overflows back off
 faster and faster (a start far too high is left in a few skipped steps, not one per halving):
 overshooting costs nothing, because the next clean step sets the scale from the gradients. The
 jump is capped at 16 halvings, so that an overshoot leaves the largest gradients far above
@@ -127,7 +127,7 @@ MIN_SCALE = 2.0**-24
 # Steps whose gradients the fitted scale keeps in view.
 FIT_WINDOW = 16
 # Bits kept below fp16's range at first (`fit`); one more per overflow the window allowed.
-FIT_MARGIN = 0
+FIT_MARGIN = 1
 FIT_MAX_MARGIN = 8
 # Consecutive overflows the fit's backoff counts: the next backs off `2**streak` times, 16 at most.
 FIT_MAX_STREAK = 4

@@ -108,7 +108,7 @@ def test_fit_leaves_a_start_far_too_high_in_a_few_skips() -> None:
     """From 2**32 (Megatron's default) to gradients that fit 2**18: 1, 2, 4, then 8 halvings
     (four skipped steps, not fourteen), then the first clean step fits the scale."""
     scaler, model, optimizer = _setup(init_scale=2.0**32)
-    grad = torch.full((8,), 0.3)  # fits up to 2**16 / 0.5 = 2**17
+    grad = torch.full((8,), 0.3)  # fp16 holds it up to 2**17; the fit keeps a bit: 2**16
     scales = []
     for _ in range(6):
         optimizer.zero_grad()
@@ -121,7 +121,7 @@ def test_fit_leaves_a_start_far_too_high_in_a_few_skips() -> None:
             torch.where(scaled > 65504, math.inf, grad) if overflows else grad,
         )
         scales.append(math.log2(scaler.get_scale()))
-    assert scales == [31, 29, 25, 17, 17, 17]
+    assert scales == [31, 29, 25, 17, 16, 16]  # 2**(16 - the margin of 1) / the bound 0.5
     assert scaler.stats.skipped_steps == 4
     assert scaler.state_dict()["_fit_streak"] == 0
 
@@ -536,4 +536,4 @@ def _ranks_gained_fsdp2(rank: int, world_size: int) -> float:
 def test_fit_under_fsdp2_reads_the_unsharded_fp16_gradients() -> None:
     """FSDP2 all-gathers unsharded parameters, whose gradients are the fp16 tensors: read in
     each backward, the gain's left out, the scale ends where one process's does."""
-    assert run_ranks(_ranks_gained_fsdp2, 2) == [19.0, 19.0]
+    assert run_ranks(_ranks_gained_fsdp2, 2) == [18.0, 18.0]  # the safe 2**19, a bit below

@@ -198,7 +198,7 @@ def test_policy_fit_update_matches_reference_bit_for_bit() -> None:
         state = policy.initial_state(init_scale)
         scale = torch.tensor(state.scale)
         hysteresis = torch.tensor(state.hysteresis_tracker, dtype=torch.int32)
-        fit = torch.tensor([0.0, 0.0, *state.window])
+        fit = torch.tensor([float(state.margin), 0.0, *state.window])
         for step in range(40):
             found_inf = rng.random() < 0.4
             forward = found_inf and rng.random() < 0.2
@@ -226,4 +226,4 @@ def test_policy_fit_backs_off_faster_while_overflows_last() -> None:
     assert exponents == [31, 29, 25, 17, 1, -15]
     assert state.streak == FIT_MAX_STREAK
     state = policy.next(state, False, seen=2.0**-2)
-    assert (state.scale, state.streak) == (2.0**18, 0)  # 2**16 / the bound, in one step
+    assert (state.scale, state.streak) == (2.0**17, 0)  # 2**(16 - 1) / the bound, in one step

@@ -196,12 +196,12 @@ def _fit_margins(plant: float) -> list[int]:
 
 
 def test_fit_nan_among_clean_steps_leaves_the_margin() -> None:
-    assert _fit_margins(math.nan) == [0] * 12  # a NaN is a bug's signature: no lesson
+    assert _fit_margins(math.nan) == [1] * 12  # a NaN is a bug's signature: no lesson
 
 
 def test_fit_inf_among_clean_steps_widens_the_margin() -> None:
     """The contrast: an inf the window said could not happen teaches the fit more room."""
-    assert _fit_margins(math.inf) == [0] * 6 + [1] * 6
+    assert _fit_margins(math.inf) == [1] * 6 + [2] * 6
 
 
 # ---------------------------------------------------------------- the meter
