@@ -211,7 +211,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             )
             enabled = False
         policy = config.policy()
-        config.warn_unused()  # the interval rule's settings given to the fit
+        config.warn_unused()  # settings given that cannot move this scale: said, not silent
         state = ScalerState(policy, policy.initial_state(config.first_scale()), Counters())
         self._setup(config, enabled, state)
 
