@@ -54,8 +54,9 @@ The recent gradients, scaled, then stay below `2**(16 - margin)`; `2**16` is jus
 largest value (65504). The margin starts at 1 (a bit below the largest scale the gradients it
 reads allow) and is learned: the weights' gradients are the last tensors of the backward, and
 the activations' gradients before them may overflow first (a NaN teaches nothing). It never
-shrinks by itself: a probe would cost the skipped step the policy is there to avoid. Consecutive overflows back off
-faster and faster (a start far too high is left in a few skipped steps, not one per halving):
+shrinks by itself: a probe would cost the skipped step the policy is there to avoid.
+Consecutive overflows back off faster and faster (a start far too high is left in a few
+skipped steps, not one per halving):
 overshooting costs nothing, because the next clean step sets the scale from the gradients. The
 jump is capped at 16 halvings, so that an overshoot leaves the largest gradients far above
 fp16's smallest values, for the fit to read them.

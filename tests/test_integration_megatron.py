@@ -229,7 +229,8 @@ def test_use_shardscale_options_floor_error_meter_and_fit_work_as_elsewhere(
     """The scaler's options pass through: at Megatron's floor (1.0) a NaN that backing off
     cannot explain warns, then raises after `max_overflows_at_floor` steps, where Megatron's own
     would skip forever; the meter measures on its steps; the fit sets the scale from the
-    gradients (the largest, 3.0, below 4 = 2**2: 2**16 / 4)."""
+    gradients (the largest, 3.0, below 4 = 2**2, with the fit's starting margin of one bit:
+    2**(16 - 1) / 4)."""
     megatron, megatron_groups = _chain(mg, cpu, convert=False, megatron={"initial_scale": 1.0})
     for _ in range(3):  # Megatron's own, at its floor: skips, and skips
         assert _iteration(megatron, megatron_groups, (0,), math.nan) == (False, None, None)
@@ -244,7 +245,7 @@ def test_use_shardscale_options_floor_error_meter_and_fit_work_as_elsewhere(
     assert (stats.underflow, stats.underflow_step) == (0.0, 1)
     fitted, groups = _chain(mg, cpu, convert=True, scale_policy="fit")
     _iteration(fitted, groups)
-    assert setup.scales(fitted) == [2.0**14, 2.0**14]
+    assert setup.scales(fitted) == [2.0**13, 2.0**13]
 
 
 class _ScaledAux(torch.autograd.Function):
