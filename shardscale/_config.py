@@ -141,8 +141,9 @@ class ScalerConfig:
     def warn_unused(self) -> None:
         """Warn where the settings that move the scale were given to a scaler whose scale they
         cannot move: the interval rule's, to one that fits; any, to one held fixed."""
-        given = {name: getattr(self, name) for name in _INTERVAL}
-        changed = {name: value for name, value in given.items() if value != _INTERVAL[name]}
+        default = ScalerConfig()  # the defaults, as the fields declare them
+        given = {name: getattr(self, name) for name in _MOVE_THE_SCALE}
+        changed = {n: value for n, value in given.items() if value != getattr(default, n)}
         fit_ignores = {
             k: v for k, v in changed.items() if k in ("growth_factor", "growth_interval")
         }
@@ -162,9 +163,9 @@ class ScalerConfig:
         return 2.0**16 if self.dynamic else 1.0
 
 
-# The settings that move the scale, at their defaults: the fit uses neither of the first two
-# (the interval rule's own), a fixed scale none.
-_INTERVAL = {"growth_factor": 2.0, "growth_interval": 2000, "backoff_factor": 0.5, "hysteresis": 1}
+# The settings that move the scale: the fit uses neither of the first two (the interval rule's
+# own), a fixed scale none.
+_MOVE_THE_SCALE = ("growth_factor", "growth_interval", "backoff_factor", "hysteresis")
 
 
 def warn_unused_by_the_fit(policy: ScalePolicy, stacklevel: int = 3, **settings: float) -> None:
