@@ -233,6 +233,10 @@ def _norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     norm took a launch of its own, as the first GPU run counted: 428 for 400 tensors). On the CPU
     one 1-D float32 tensor.
     """
+    if math.isinf(norm_type):  # an empty shard's inf-norm raises; its every p-norm is 0
+        device, grads = grads[0].device, [grad for grad in grads if grad.numel()]
+        if not grads:  # this rank still joins the collective, with a share of 0
+            return torch.zeros(1, dtype=torch.float32, device=device)
     if grads[0].device.type != "cpu":
         return torch.stack(foreach_norm(grads, norm_type, dtype=torch.float64))
     norms = torch.stack(foreach_norm(grads, norm_type, dtype=torch.float32))

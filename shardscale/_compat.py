@@ -43,7 +43,8 @@ LOCAL_FLAGS_WARNING = (
     "call that agrees on it (step(), clip_grad_norm_() or update()): shardscale agrees in that "
     "call's one collective, and a read never communicates, so this is THIS rank's own flag "
     "(torch.amp.GradScaler's value), which may differ between ranks. Do not branch on it in "
-    "ways that change what ranks do; read it after step() for the flag every rank agreed on."
+    "ways that change what ranks do; read it after step() for the flag every rank agreed on. "
+    "(scaler._maybe_opt_step(optimizer, state) does not read it: it agrees as step() does.)"
 )
 
 _READ_ONLY = (
@@ -106,12 +107,12 @@ def flags_of(records: list[OptimizerRecord]) -> ReadOnlyDict:
     """`{device: flag}` of `records`, as torch's states hold it: the agreed flag once the group
     agreed; before, between `unscale_()` and its agreement, this rank's own (with a warning);
     empty where none was checked."""
-    local = [record.local_flags for record in records if record.verdict is None]
+    local = [r.local_flags for r in records if r.verdict is None and r.local_flags is not None]
     agreed = combined(record.verdict for record in records)
     flags = {} if agreed is None else {agreed.found_inf.device: agreed.found_inf}
-    for device, flag in ((d, f) for piece in local if piece for d, f in piece.items()):
+    for device, flag in ((d, f) for piece in local for d, f in piece.items()):
         flags[device] = torch.maximum(flags[device], flag) if device in flags else flag
-    if any(local):
+    if local:  # unscale_()d, not agreed: on every rank, with a gradient here or not
         warnings.warn(LOCAL_FLAGS_WARNING, ShardScaleWarning, stacklevel=3)
     return ReadOnlyDict(flags)
 
@@ -153,18 +154,22 @@ def unscale_grads(
 
 
 def maybe_opt_step(
-    scaler: object,
+    scaler: Any,
     optimizer: torch.optim.Optimizer,
     optimizer_state: Mapping[str, Any],
     *args: Any,
     **kwargs: Any,
 ) -> Any:
     """torch's `GradScaler._maybe_opt_step` (`ShardedGradScaler._maybe_opt_step` itself:
-    `scaler` is the scaler it is called on): step `optimizer` unless `optimizer_state`'s flags
-    say inf/NaN."""
-    if not any(bool(flag.item()) for flag in optimizer_state["found_inf_per_device"].values()):
-        return optimizer.step(*args, **kwargs)
-    return None
+    `scaler` is the scaler it is called on): the step body of subclasses and framework scalers
+    written on torch.amp, `unscale_(optimizer)` then this, runs `scaler.step(optimizer)`.
+
+    torch's steps unless `optimizer_state`'s flags say inf/NaN; between `unscale_()` and the
+    agreement those flags are this rank's own, so a rank holding the inf would skip while the
+    others step. Here the group's agreement decides, in the collective `step()` issues on every
+    rank (as torch's `ShardedGradScaler` agrees inside `unscale_`); `optimizer_state` is not read.
+    """
+    return scaler.step(optimizer, *args, **kwargs)
 
 
 def torch_view(instead: str) -> Callable[[Callable[[Any], Any]], Any]:

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
-from typing import cast
 
 from torch.utils.hooks import RemovableHandle
 
@@ -172,6 +172,10 @@ class StepReporter:
         # The forward overflows counted so far (delivered, or loaded): a step that adds one was
         # skipped for its loss, not its gradients.
         self._forward_overflows = 0
+        self.lock = threading.RLock()
+        """Held while an update moves the state and tells of it, and while `stats` is read: a
+        thread reading `stats` (docs/reliability.md) sees one step's numbers whole, and takes
+        the stats in flight at most once. Reentrant: a hook may read `stats`."""
 
     def restart(self, counters: Counters) -> None:
         """A state was loaded: forget the copies in flight and the streaks, count from
@@ -220,20 +224,21 @@ class StepReporter:
         read_now = read is True or (watch and under_way)
         if read_now:
             alarm = self._alarm(state.counters.tolist(), policy, step, before)
-        if listening:
-            self._stats = path.copy_late(state.packed())
+        copy = path.copy_late(state.packed()) if listening else None
+        self._stats = copy
         if watch and not read_now:
-            trigger = (self._stats, PACKED_COUNTERS) if listening else None
+            trigger = (copy, PACKED_COUNTERS) if copy is not None else None
             landing, start = trigger or (path.copy_late(state.counters), 0)
-            self._trigger = (step, cast(Landing, landing), start)
+            self._trigger = (step, landing, start)
         return alarm
 
     def flush(self) -> None:
         """Deliver the stats still on their way, if any (waits for their copy): to the hooks
         and the log. The alarms' trigger stays as it is."""
-        landing, self._stats = self._stats, None
-        if landing is not None:
-            self._deliver(stats_from(landing.values()))
+        with self.lock:
+            landing, self._stats = self._stats, None
+            if landing is not None:
+                self._deliver(stats_from(landing.values()))
 
     def _counters_before(self, step: int) -> list[float] | None:
         """The counters of the step before `step`, from its copy (which this waits for: copied
@@ -291,7 +296,10 @@ class StepReporter:
             values = (stats.steps, 100 * fraction, stats.underflow_scale)
             logger.info(_UNDERFLOW_MESSAGE, *values, 100 * UNDERFLOW_TARGET)
         for hook in list(self.hooks.values()):
-            hook(stats)
+            try:
+                hook(stats)
+            except Exception as error:  # a listener's failure is its own: said, not raised
+                warnings.warn(_hook_failed_message(hook, stats, error), ShardScaleWarning, 2)
 
     def _log_skip(self, stats: ScalerStats, forward: bool) -> None:
         if not logger.isEnabledFor(logging.INFO):
@@ -356,6 +364,18 @@ class StepReporter:
         else:
             floor = self._read[Count.FLOOR_STREAK]
             raise ShardScaleNonFiniteError(_stuck_message(step, policy, nans, where, floor))
+
+
+def _hook_failed_message(hook: StatsHook, stats: ScalerStats, error: Exception) -> str:
+    """The warning for a stats hook that raised: it is said, never re-raised (`_deliver`)."""
+    name = getattr(hook, "__qualname__", None) or repr(hook)
+    return (
+        f"step {stats.steps}: the stats hook {name} raised {type(error).__name__}: {error}. "
+        "The step is complete and the scaler goes on: a listener observes, and its failure "
+        "(on this rank alone, say an unreachable metrics backend) must not change what this "
+        "rank does next, or its peers would wait for it. The other hooks ran; this one stays "
+        "registered (remove it with the handle register_stats_hook returned)."
+    )
 
 
 def _why(nans: int, policy: ScalePolicy) -> str:

@@ -35,7 +35,7 @@ from shardscale._policy import (
     ScalePolicy,
     ScaleState,
 )
-from shardscale._torch import in_pipeline_shape_inference, no_torch_function_subclass
+from shardscale._torch import in_pipeline_shape_inference
 
 _LEAVES = operator.itemgetter(1)
 
@@ -393,6 +393,14 @@ class ScaleHome:
 Stage = Enum("Stage", "READY UNSCALED STEPPED", start=0)
 
 
+@dataclass(frozen=True, slots=True)
+class ClipRecord:
+    """What `clip_grad_norm_` unscaled and agreed on in this iteration, for steps to take."""
+
+    param_ids: frozenset[int]
+    verdict: Verdict
+
+
 @dataclass(slots=True)
 class OptimizerRecord:
     """Where one optimizer is in the iteration, and what the group agreed for it.
@@ -403,6 +411,9 @@ class OptimizerRecord:
             synchronisation; its gradients are only checked.
         local_flags: What `unscale_()` found on this rank alone, by device, while the group has
             not agreed yet (torch's private reads answer it then: `shardscale._compat`).
+        clipped: The `clip_grad_norm_` that unscaled some, but not all, of its parameters (an
+            MoE model's dense part, say): those keep the clip's unscale and flag, the others
+            are checked and unscaled at its own agreement, and its verdict is both.
     """
 
     optimizer: torch.optim.Optimizer
@@ -410,14 +421,14 @@ class OptimizerRecord:
     stage: Stage = Stage.READY
     verdict: Verdict | None = None
     local_flags: dict[torch.device, torch.Tensor] | None = None
+    clipped: ClipRecord | None = None
 
-
-@dataclass(frozen=True, slots=True)
-class ClipRecord:
-    """What `clip_grad_norm_` unscaled and agreed on in this iteration, for steps to take."""
-
-    param_ids: frozenset[int]
-    verdict: Verdict
+    def params_to_check(self) -> Iterator[torch.Tensor]:
+        """Its parameters whose gradients still carry the scale: all, less a partial clip's."""
+        params = optimizer_params((self.optimizer,))
+        if self.clipped is None:
+            return params
+        return (param for param in params if id(param) not in self.clipped.param_ids)
 
 
 # What the fit and the meter read of a local check's gradients: the largest |scaled gradient|
@@ -570,27 +581,21 @@ class IterationBook:
         return not (done and ids <= done)
 
     def _adopt_clip(self, record: OptimizerRecord, clipped: ClipRecord) -> bool:
-        """Take `clip_grad_norm_`'s unscale and flag for `record` if the clip covered it: every
-        parameter of its optimizer (the usual case: no `.grad` read, 0.3 us a parameter), or
-        every one with a gradient.
+        """Take `clip_grad_norm_`'s unscale and flag for `record` if the clip covered every
+        parameter of its optimizer (the usual case: 0.3 us a parameter). A clip over some of
+        them leaves it to be checked at its agreement, less what the clip unscaled.
 
-        Raises:
-            RuntimeError: the clip covered some, but not all, of the optimizer's gradients.
+        Decided by the parameters alone, never by which of them hold a gradient on this rank
+        (an MoE expert no token reached holds none on one rank and one on another): every rank
+        takes the same branch and issues the same collectives.
         """
-        if record.stage is not Stage.READY:
+        if record.stage is not Stage.READY or record.clipped is not None:
             return False
-        own = (record.optimizer,)
-        if not clipped.param_ids.issuperset(map(id, optimizer_params(own))):
-            with no_torch_function_subclass():  # DTensor .grad: 0.1 us, not 0.25
-                mine = {id(p) for p in optimizer_params(own) if p.grad is not None}
-            covered = mine <= clipped.param_ids
-            if mine & clipped.param_ids and not covered:
-                raise RuntimeError(
-                    "clip_grad_norm_() unscaled some, but not all, of this optimizer's gradients: "
-                    "pass every parameter of the optimizers it precedes (e.g. model.parameters())"
-                )
-            if not covered:
-                return False
+        params = optimizer_params((record.optimizer,))
+        if not clipped.param_ids.issuperset(map(id, params)):
+            if not clipped.param_ids.isdisjoint(map(id, optimizer_params((record.optimizer,)))):
+                record.clipped = clipped
+            return False
         record.verdict = clipped.verdict
         record.stage = Stage.UNSCALED
         return True

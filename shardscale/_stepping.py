@@ -73,6 +73,7 @@ OptimizerTarget: TypeAlias = torch.optim.Optimizer | Sequence[torch.optim.Optimi
 _CONTAINER_ATTRIBUTES = ("optimizers", "chained_optimizers")
 _OPTIMIZER = operator.attrgetter("optimizer")
 _TAKES_SCALE = operator.attrgetter("takes_scale")
+_TO_CHECK = operator.methodcaller("params_to_check")
 _VERDICT = operator.attrgetter("verdict")
 _LEAVES = operator.itemgetter(1)
 _DEVICE = operator.attrgetter("device")
@@ -199,9 +200,10 @@ class Stepper:
         records = list(chain.from_iterable(map(_LEAVES, targets)))
         unscale: list[OptimizerRecord] = []
         check: list[OptimizerRecord] = []
-        for record in records:
+        for record in records:  # a fused one a clip unscaled in part is unscaled in full
             if record.stage is Stage.READY and record.verdict is None:
-                (check if record.takes_scale else unscale).append(record)
+                only_check = record.takes_scale and record.clipped is None
+                (check if only_check else unscale).append(record)
         if unscale or check or book.pending.records:
             self.agree(book, scale, "step", unscale=unscale, check=check)
         return StepPlan(targets, cast(Verdict, combined(map(_VERDICT, records))))
@@ -241,7 +243,7 @@ class Stepper:
             self.agree(book, scale, "unscale_", unscale=to_check)
         elif to_check:
             with torch.no_grad():
-                params = list(optimizer_params(map(_OPTIMIZER, to_check)))
+                params = list(chain.from_iterable(map(_TO_CHECK, to_check)))
                 groups, has_elements = self._walk.groups(params)
                 # the meter's step: an inf-norm clip may still undo it
                 counting = self._counting(book, scale.device, None)
@@ -276,9 +278,9 @@ class Stepper:
         """
         device = scale.device
         with torch.no_grad():
-            params = list(optimizer_params(map(_OPTIMIZER, unscale)))
+            params = list(chain.from_iterable(map(_TO_CHECK, unscale)))
             to_unscale, has_elements = self._walk.groups(params)
-            checked = list(optimizer_params(map(_OPTIMIZER, check)))
+            checked = list(chain.from_iterable(map(_TO_CHECK, check)))
             to_check, checked_has_elements = self._walk.groups(checked)
             counting = self._counting(book, device, None)
             has_scale = not self.home.unconfirmed
@@ -450,8 +452,9 @@ class Stepper:
             self.home.confirm()
         self._agreed_once = True
         records = [*records, *pending.records]
-        for record in records:
-            record.verdict = verdict
+        for record in records:  # a partial clip's flag counts too
+            clipped = record.clipped
+            record.verdict = verdict if clipped is None else combined((clipped.verdict, verdict))
         if self._locate_overflow:
             self._locate_if_overflowed(book, records)
         return verdict

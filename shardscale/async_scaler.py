@@ -110,10 +110,12 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         ```python
         scaler = AsyncShardedGradScaler()
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)   # the optimizer thread
+        # `optimizer` steps `master_params`, its own copy of the weights (fp32, say, on the
+        # CPU), never the model's: their .grad is where the next backward accumulates
 
         def optimizer_step(grads):
-            for param, grad in zip(params, grads):
-                param.grad = grad
+            for master, grad in zip(master_params, grads):
+                master.grad = grad            # this iteration's tensors, no backward's
             scaler.step(optimizer)            # divides out exactly the scale the loss had
 
         for batch in loader:
@@ -122,6 +124,7 @@ class AsyncShardedGradScaler(ShardedGradScaler):
             model.zero_grad(set_to_none=True)                # the next backward gets fresh ones
             pool.submit(optimizer_step, grads)
             scaler.update()                   # may come before that step; never waits for it
+        pool.shutdown()                       # the last step has run
         ```
 
     Args:

@@ -76,7 +76,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
     resume and clipping with that `isinstance`), built without torch's `__init__`: every
     method and attribute of torch's class is defined here, on our state, and the private
     members public code reads (`_per_optimizer_states`, `_found_inf_per_device`, `_scale`
-    ...) answer with the agreed state (docs/migration.md lists them).
+    ...) answer with the agreed state (between `unscale_()` and the call that agrees on it,
+    this rank's own flag, with a warning; docs/migration.md lists them).
 
     Each rank checks its local gradient shards (plain, DDP, FSDP1 flat parameters,
     FSDP2/DTensor, CPU-offloaded, sparse) for inf/NaN, and the ranks agree in one all-reduce
@@ -580,18 +581,19 @@ class ShardedGradScaler(torch.amp.GradScaler):
             raise RuntimeError("No inf checks were recorded prior to update.")
         manual = None if new_scale is None else policy.new_scale_tensor(new_scale)
         taken = book.step if verdict is not None else book.step - 1  # the steps taken so far
-        alarm = None
-        if verdict is not None:
-            state.apply_(policy, verdict, manual)
-            # A step the host did not read as clean has its streaks watched (every rank alike);
-            # one it read as clean, not a meter step, has nothing to report (no skip to log, no
-            # streak, no meter reading) but to hooks.
-            read, reporter = verdict.read, self._reporter
-            if read is not False or verdict.counts is not None or reporter.hooks:
-                alarm = reporter.after_update(state, policy, taken, read)
-        elif manual is not None:
-            state.scale.copy_(manual)
-        self._book = IterationBook(step=taken + 1)
+        alarm, reporter = None, self._reporter
+        with reporter.lock:  # a thread reading `stats` sees this step whole
+            if verdict is not None:
+                state.apply_(policy, verdict, manual)
+                # A step the host did not read as clean has its streaks watched (every rank
+                # alike); one it read as clean, not a meter step, has nothing to report (no skip
+                # to log, no streak, no meter reading) but to hooks, whose failure is warned.
+                read = verdict.read
+                if read is not False or verdict.counts is not None or reporter.hooks:
+                    alarm = reporter.after_update(state, policy, taken, read)
+            elif manual is not None:
+                state.scale.copy_(manual)
+            self._book = IterationBook(step=taken + 1)
         verify_every = self._config.verify_every
         if verify_every and verdict is not None and taken % verify_every == 0:
             self.verify_agreement()
@@ -653,11 +655,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
         Identical on every rank; right for fused optimizers too (counted on the device). One
         host read of one small tensor (a synchronisation on an accelerator); no collective.
         """
-        self._reporter.flush()
-        if self._home.device is None:
-            scale = self._home.host.scale.scale if self._enabled else 1.0
-            return stats_of(scale, self._home.host.counters)
-        return stats_from(self._home.device.packed().tolist())
+        with self._reporter.lock:  # not halfway through an update() on another thread
+            self._reporter.flush()
+            if self._home.device is None:
+                scale = self._home.host.scale.scale if self._enabled else 1.0
+                return stats_of(scale, self._home.host.counters)
+            return stats_from(self._home.device.packed().tolist())
 
     def register_stats_hook(self, hook: StatsHook) -> RemovableHandle:
         """Call `hook(stats)` after every `update()` that counted a step.
@@ -877,8 +880,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if self._enabled and self._home.device is None:
             self._home.at(torch.device(dev))  # "cuda": the tensors land on the current GPU
 
-    # torch's helper: step unless the state's flags say inf/NaN (with our
-    # `_per_optimizer_states`, the agreed flag: every rank alike)
+    # torch's helper, the step body of scalers written on torch.amp (`unscale_`, then this):
+    # here `step()` itself, so the group's agreement decides on every rank (_compat)
     _maybe_opt_step = _compat.maybe_opt_step
 
     def _step_passing_itself(

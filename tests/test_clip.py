@@ -292,11 +292,18 @@ def test_clip_twice_raises() -> None:
         scaler.clip_grad_norm_(model.parameters(), 1.0)
 
 
-def test_clip_part_of_an_optimizers_params_then_step_raises() -> None:
+def test_clip_part_of_an_optimizers_params_then_step_unscales_the_rest_once() -> None:
+    """An MoE model's dense part clipped, its experts not, one optimizer: the step keeps the
+    clip's unscale for the part it clipped and unscales the rest itself, each exactly once."""
     scaler, model, optimizer = _clip_setup()
-    scaler.clip_grad_norm_(model[0].parameters(), 1.0)
-    with pytest.raises(RuntimeError, match="some, but not all, of this optimizer's gradients"):
-        scaler.step(optimizer)
+    scaled = [cast(torch.Tensor, p.grad).clone() for p in model.parameters()]
+    clipped = list(model[0].parameters())
+    scaler.clip_grad_norm_(clipped, 1e9)  # a norm never reached: unscaled only
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(optimizer)
+    for param, grad, old in zip(model.parameters(), scaled, before, strict=True):
+        assert torch.equal(cast(torch.Tensor, param.grad), grad / SCALE)
+        assert torch.equal(param.detach(), old.add(grad / SCALE, alpha=-0.1))  # stepped once
 
 
 def test_clip_of_every_parameter_with_a_gradient_is_taken_by_step() -> None:

@@ -132,11 +132,26 @@ def test_per_optimizer_states_after_step_agreed_flag_and_stage(overflow: bool) -
     assert state["stage"] is OptState.STEPPED
     assert _skipped(scaler, optimizer) == float(overflow)
     assert scaler._found_inf_per_device(optimizer) == state["found_inf_per_device"]
+    assert list(scaler._per_optimizer_states) == [id(optimizer)]
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_maybe_opt_step_torch_step_body_steps_as_agreed(overflow: bool) -> None:
+    """torch.amp's step body, as subclasses and framework scalers run it: `unscale_`, then
+    `_maybe_opt_step` with the optimizer's state; it steps (or skips) as `step()` would, and
+    leaves the optimizer STEPPED, so that update() moves the scale."""
+    scaler = ShardedGradScaler(init_scale=2.0**10)
+    model, optimizer = setups.scaled_backward(scaler)
+    if overflow:
+        model[0].weight.grad[0, 0] = math.inf
     calls: list[int] = []
     optimizer.step = lambda: calls.append(1)  # type: ignore[assignment,method-assign,return-value]
-    scaler._maybe_opt_step(optimizer, state)  # torch's helper, on the agreed flag
+    scaler.unscale_(optimizer)
+    scaler._maybe_opt_step(optimizer, scaler._per_optimizer_states[id(optimizer)])
     assert len(calls) == (0 if overflow else 1)
-    assert list(scaler._per_optimizer_states) == [id(optimizer)]
+    assert scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.STEPPED
+    scaler.update()
+    assert scaler.get_scale() == (2.0**9 if overflow else 2.0**10)
 
 
 def test_per_optimizer_states_after_update_empty_as_torch() -> None:

@@ -1,0 +1,285 @@
+"""Every rank together, whatever differs between ranks: a property-based search, 2 gloo ranks.
+
+A scenario is a training loop's calls, the same on every rank (the scale policy, one optimizer
+or two, their flavour, a clip over some subset of the parameters, `unscale_` first or not,
+`scaler.step` or torch.amp's own step body, micro-batches), and what each rank holds and
+observes, drawn for each rank apart: which parameters hold a gradient at each step and what it
+holds (none; finite; an inf; a NaN), whether its shard of one parameter is empty (FSDP2's
+uneven dim-0 shards), which observers it attaches (a stats hook, the log at INFO, `stats`
+reads, torch's private reads), and whether its hook raises at some step.
+
+Hypothesis draws the scenarios, in this process; both ranks then run all of them, on the CPU
+path and on the CUDA path through `shardscale.testing.cuda_path()`, with
+`TORCH_DISTRIBUTED_DEBUG=DETAIL` (torch checks before each collective that every rank issues
+the same one). The property, per scenario: both ranks issue the same collectives, in order,
+and warn and raise at the same calls (the same error), take the same step/skip decisions and
+hold the same scale; a parameter whose gradients were equal on both ranks ends equal; and
+nothing waits out a timeout (a rank that is left alone raises the scaler's distributed error,
+which then differs from its peer's).
+
+CI runs `EXAMPLES` scenarios per path (`SHARDSCALE_RANK_FUZZ_EXAMPLES` sets another number).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import warnings
+from contextlib import ExitStack
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from shardscale import ShardedGradScaler, ShardScaleWarning
+from shardscale.testing import cuda_path
+from tests.harness import run_ranks
+from tests.test_rank_symmetry import DETAIL, recorded_collectives
+
+EXAMPLES = int(os.environ.get("SHARDSCALE_RANK_FUZZ_EXAMPLES", "60"))
+STEPS = 3
+NAMES = ("dense.weight", "dense.bias", "expert.weight", "shard", "control")
+HELD = ("none", "finite", "inf", "nan")
+OBSERVERS = ("hook", "log", "stats", "reads")
+_HOOK_FAILED = "the stats hook"  # the start of the warning for a hook that raised (its own)
+
+
+def _rank_part() -> st.SearchStrategy[dict[str, Any]]:
+    """What one rank holds and observes."""
+    held = st.fixed_dictionaries({name: st.sampled_from(HELD) for name in NAMES[:-1]})
+    return st.fixed_dictionaries(
+        {
+            "held": st.lists(held, min_size=STEPS, max_size=STEPS),
+            "shard_rows": st.sampled_from((0, 2)),
+            "observers": st.sets(st.sampled_from(OBSERVERS)).map(sorted),
+            "hook_raises_at": st.sampled_from((None, 1, 2)),
+        }
+    )
+
+
+SCENARIOS = st.fixed_dictionaries(
+    {
+        "policy": st.sampled_from(("interval", "fit")),
+        "optimizers": st.sampled_from((1, 2)),
+        "flavour": st.sampled_from(("for-loop", "foreach", "fused")),
+        "clip": st.one_of(st.none(), st.sets(st.sampled_from(NAMES), min_size=1).map(sorted)),
+        "norm_type": st.sampled_from((2.0, math.inf)),
+        "unscale_first": st.booleans(),
+        "body": st.sampled_from(("step", "torch")),
+        "micro_batches": st.sampled_from((1, 2)),
+        "ranks": st.lists(_rank_part(), min_size=2, max_size=2),
+    }
+)
+
+
+def draw_scenarios(count: int) -> list[dict[str, Any]]:
+    """`count` scenarios from Hypothesis, the same on every run (derandomized)."""
+    drawn: list[dict[str, Any]] = []
+
+    @settings(
+        max_examples=count,
+        derandomize=True,
+        database=None,
+        phases=[Phase.generate],
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(SCENARIOS)
+    def collect(scenario: dict[str, Any]) -> None:
+        drawn.append(scenario)
+
+    collect()
+    return drawn[:count]
+
+
+class _Model(nn.Module):
+    """A dense layer, an expert, a parameter sharded unevenly, and a control parameter whose
+    gradient is the same on every rank (its own loss)."""
+
+    def __init__(self, shard_rows: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.dense = nn.Linear(3, 4)
+        self.expert = nn.Linear(3, 4, bias=False)
+        self.shard = nn.Parameter(torch.ones(shard_rows, 3))
+        self.control = nn.Parameter(torch.ones(3))
+
+
+def _optimizers(model: _Model, scenario: dict[str, Any]) -> list[torch.optim.Optimizer]:
+    named = dict(model.named_parameters())
+    flavour = scenario["flavour"]
+    kind = {"fused": {"fused": True}, "foreach": {"foreach": True}}.get(flavour, {"foreach": False})
+    if scenario["optimizers"] == 1:
+        groups = [list(NAMES)]
+    else:
+        groups = [[n for n in NAMES if n != "expert.weight"], ["expert.weight"]]
+    return [torch.optim.SGD([named[n] for n in names], lr=0.5, **kind) for names in groups]
+
+
+def _scaled_gradient(kind: str, shape: torch.Size, scale: float) -> torch.Tensor:
+    grad = torch.full(shape, 0.25 * scale)
+    if grad.numel() and kind in ("inf", "nan"):
+        grad.view(-1)[0] = math.inf if kind == "inf" else math.nan
+    return grad
+
+
+class _Run:
+    """One scenario on this rank: what it records of itself, for the parent to compare."""
+
+    def __init__(self, rank: int, scenario: dict[str, Any]) -> None:
+        self.scenario, self.mine = scenario, scenario["ranks"][rank]
+        self.model = _Model(self.mine["shard_rows"])
+        self.optimizers = _optimizers(self.model, scenario)
+        self.scaler = ShardedGradScaler(
+            init_scale=2.0**4, scale_policy=scenario["policy"], sync_timeout=20.0
+        )
+        self.events: list[tuple[Any, ...]] = []  # (step, call, what) warnings and the error
+        self.decisions: list[tuple[bool | None, float]] = []
+
+    def call(self, step: int, name: str, function: Any, *args: Any) -> Any:
+        """Run one of the loop's calls, recording the scaler's warnings it gave (a hook's own
+        failure is the hook's, not the scaler's: left out)."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = function(*args)
+        for warning in caught:
+            text = str(warning.message)
+            if issubclass(warning.category, ShardScaleWarning) and _HOOK_FAILED not in text:
+                self.events.append((step, name, "warns", text[:80]))
+        return result
+
+    def observe(self, what: str) -> None:
+        """This rank's observers' reads (thrown away, and their warnings with them)."""
+        scaler, observers = self.scaler, self.mine["observers"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if what == "after unscale" and "reads" in observers:
+                for optimizer in self.optimizers:
+                    scaler._per_optimizer_states[id(optimizer)]
+            if what == "after update" and "stats" in observers:
+                scaler.stats  # noqa: B018
+            if what == "after update" and "reads" in observers:
+                scaler.last_step_skipped  # noqa: B018
+                scaler.get_scale()
+
+    def step(self, step: int) -> None:
+        scenario, model, scaler = self.scenario, self.model, self.scaler
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        for micro in range(scenario["micro_batches"]):
+            inputs = torch.full((3,), 2.0 ** (step + micro))
+            loss = (model.control * inputs).sum()
+            self.call(step, "scale", lambda loss=loss: scaler.scale(loss).backward())
+        scale = float(scaler._scale.item())  # type: ignore[union-attr]
+        params = dict(model.named_parameters())
+        for name, kind in self.mine["held"][step - 1].items():
+            if kind != "none":
+                params[name].grad = _scaled_gradient(kind, params[name].shape, scale)
+        if scenario["unscale_first"]:
+            for optimizer in self.optimizers:
+                self.call(step, "unscale_", scaler.unscale_, optimizer)
+            self.observe("after unscale")
+        if scenario["clip"] is not None:
+            clipped = [params[name] for name in scenario["clip"]]
+            clip = scaler.clip_grad_norm_
+            self.call(step, "clip_grad_norm_", clip, clipped, 1.0, scenario["norm_type"])
+        for optimizer in self.optimizers:
+            self.call(step, "step", self._step_body, optimizer)
+        self.call(step, "update", scaler.update)
+        self.observe("after update")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.decisions.append((scaler.last_step_skipped, scaler.get_scale()))
+
+    def _step_body(self, optimizer: torch.optim.Optimizer) -> None:
+        scaler = self.scaler
+        if self.scenario["body"] == "step":
+            scaler.step(optimizer)
+            return
+        # torch.amp's GradScaler.step, as subclasses and framework scalers run it
+        state = scaler._per_optimizer_states[id(optimizer)]
+        if state["stage"].name == "READY":
+            scaler.unscale_(optimizer)
+        scaler._maybe_opt_step(optimizer, scaler._per_optimizer_states[id(optimizer)])
+
+
+def _run_scenario(rank: int, scenario: dict[str, Any]) -> dict[str, Any]:
+    run = _Run(rank, scenario)
+    mine, shardscale_log = run.mine, logging.getLogger("shardscale")
+    level = shardscale_log.level
+
+    def hook(stats: Any) -> None:
+        if stats.steps == mine["hook_raises_at"]:
+            raise ConnectionError("the metrics backend is unreachable")
+
+    with ExitStack() as stack:
+        log = stack.enter_context(recorded_collectives())
+        if "hook" in mine["observers"]:
+            stack.callback(run.scaler.register_stats_hook(hook).remove)
+        if "log" in mine["observers"]:
+            shardscale_log.setLevel(logging.INFO)
+            stack.callback(shardscale_log.setLevel, level)
+        for step in range(1, STEPS + 1):
+            try:
+                run.step(step)
+            except Exception as error:  # the same call, the same error, on every rank
+                run.events.append((step, "raised", type(error).__name__, str(error)[:200]))
+                break
+    params = dict(run.model.named_parameters())
+    return {
+        "collectives": log,
+        "events": run.events,
+        "decisions": run.decisions,
+        "equal": {name: params[name].detach().tolist() for name in _equal_grads(scenario)},
+    }
+
+
+def _equal_grads(scenario: dict[str, Any]) -> list[str]:
+    """The parameters whose gradients were equal on both ranks at every step: the control's
+    (its own loss), and any other that held the same finite gradient on both."""
+    first, second = scenario["ranks"]
+    same = ["control"]
+    for name in ("dense.weight", "dense.bias", "expert.weight"):
+        pairs = zip(first["held"], second["held"], strict=True)
+        if all(a[name] == b[name] == "finite" for a, b in pairs):
+            same.append(name)
+    return same
+
+
+def _rank_scenarios(rank: int, world_size: int, scenarios: list[Any], path: str) -> list[Any]:
+    results = []
+    for scenario in scenarios:
+        if path == "cuda":
+            with cuda_path():
+                results.append(_run_scenario(rank, scenario))
+        else:
+            results.append(_run_scenario(rank, scenario))
+        try:
+            dist.barrier()  # the next scenario starts together (recorded by neither)
+        except RuntimeError as error:  # DETAIL saw the ranks' collectives differ: stop here
+            results.append({"barrier": str(error)[:400]})
+            break
+    return results
+
+
+@pytest.mark.parametrize("path", ["cpu", "cuda"])
+def test_rank_fuzz_what_ranks_hold_and_observe_never_splits_them(path: str) -> None:
+    scenarios = draw_scenarios(EXAMPLES)
+    timeout = 60 + 3 * len(scenarios)
+    rank0, rank1 = run_ranks(_rank_scenarios, 2, scenarios, path, timeout_s=timeout, env=DETAIL)
+    raised = 0
+    for scenario, mine, theirs in zip(scenarios, rank0, rank1, strict=False):
+        assert mine["collectives"] == theirs["collectives"], scenario
+        assert mine["events"] == theirs["events"], scenario
+        assert mine["decisions"] == theirs["decisions"], scenario
+        assert mine["equal"] == theirs["equal"], scenario
+        for event in mine["events"]:
+            assert "ShardScaleDistributedError" not in event, (scenario, event)  # no timeout
+        raised += any(event[1] == "raised" for event in mine["events"])
+    assert len(rank0) == len(rank1) == len(scenarios), (rank0[-1], rank1[-1])
+    assert raised < len(scenarios)  # most scenarios run through: the search reaches the steps
