@@ -166,9 +166,9 @@ def test_prepare_grads_twice_in_one_step_unscales_once_megatrons_own_divides_aga
 def test_converted_optimizer_out_of_order_calls_raise_naming_the_rule(
     mg: SimpleNamespace, cpu: dist.ProcessGroup
 ) -> None:
-    """A step before its check, a step after an agreed overflow, a second iteration without
-    `zero_grad()`, and a sub-optimizer's own check or scale move: each raises, before any
-    gradient is touched."""
+    """A step before its check, a step after an agreed overflow, a second step in one
+    iteration, and a sub-optimizer's own check or scale move: each raises, before any gradient
+    is touched."""
     ours, groups = _chain(mg, cpu, convert=True)
     setup.zero_grad(ours, groups)
     setup.backward(ours, groups, INPUTS)
@@ -181,8 +181,6 @@ def test_converted_optimizer_out_of_order_calls_raise_naming_the_rule(
     with pytest.raises(RuntimeError, match=r"moves once per step.*update\(found_inf=True\)"):
         dense.grad_scaler.update(True)
     assert ours.step()[0] is True
-    with pytest.raises(RuntimeError, match=r"after this iteration's step: call optimizer\.zero"):
-        ours.prepare_grads()
     with pytest.raises(RuntimeError, match="called already in this iteration"):
         ours.step_with_ready_grads()
 
@@ -211,10 +209,6 @@ def test_use_shardscale_refuses_optimizers_it_cannot_agree_on(
         match=r"got sub-optimizer 1 \(Float16OptimizerWithFloat16Params\) without one \(bf16\?\)",
     ):
         integration.use_shardscale(bf16)
-    decoupled, _ = _chain(mg, cpu, convert=False)
-    decoupled.chained_optimizers[0].config.use_precision_aware_optimizer = True
-    with pytest.raises(ValueError, match="use_precision_aware_optimizer must be False"):
-        integration.use_shardscale(decoupled)
     mixed, _ = _chain(mg, cpu, convert=False)
     mixed.chained_optimizers[0].grad_scaler = mg.ConstantGradScaler(8.0)
     with pytest.raises(TypeError, match="all Megatron's DynamicGradScaler or all its Constant"):
@@ -526,3 +520,212 @@ def test_chained_same_replicas_flag_and_norm_in_one_collective_megatron_replicas
         # Megatron asks once whether separate grad-norm groups exist (two all-reduces)
         assert ours[rank]["collectives"][:3] == [4, 1, 1]
     assert [m["collectives"][:3] for m in megatron] == [[6, 4, 4], [6, 4, 2]]
+
+
+def _transformer_config(mg: SimpleNamespace, grad_scale_func: Any) -> Any:
+    """Megatron's own `TransformerConfig`, with MoE and MTP on (what the schedule reads)."""
+    from megatron.core.transformer import TransformerConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its defaults' deprecations and fallbacks
+        config = TransformerConfig(
+            num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_experts=2, mtp_num_layers=1
+        )
+    config.moe_router_topk, config.moe_router_pre_softmax = 1, True
+    config.grad_scale_func = grad_scale_func
+    return config
+
+
+def _aux_iteration(mg: SimpleNamespace, optimizer: Any, groups: Any, config: Any) -> Any:
+    """One micro-batch of one through Megatron's schedule: a main loss on the dense weights, a
+    MoE auxiliary loss on the expert weights and an MTP loss on the second dense weight, each
+    through Megatron's own autograd scaler; the main loss scaled by the stack (`grad_scale_func`,
+    or `scale_loss` in the loss function where the stack sets none)."""
+    schedules = mg.schedules
+    dense, expert = groups[0].params, groups[1].params[0]
+    setup.zero_grad(optimizer, groups)
+    hidden = dense[0].float() * INPUTS[0][0]
+    hidden = mg.MoEAuxLossAutoScaler.apply(hidden, (expert.float() * INPUTS[1][0]).sum())
+    hidden = mg.MTPLossAutoScaler.apply(hidden, (dense[1].float() * INPUTS[0][1]).sum())
+
+    def loss_func(out: torch.Tensor) -> Any:
+        loss = out.sum()
+        return (loss if config.grad_scale_func else optimizer.scale_loss(loss)), {}
+
+    try:
+        loss, _ = schedules.forward_step_calc_loss(
+            None, hidden, loss_func, config, None, False, 1, [], 1, True
+        )
+        scales = (
+            float(mg.MoEAuxLossAutoScaler.main_loss_backward_scale),
+            float(mg.MTPLossAutoScaler.main_loss_backward_scale),
+        )
+        schedules.backward_step(None, loss, None, config)
+    finally:
+        mg.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        mg.MTPLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0)
+    for param in [*dense, expert]:
+        param.main_grad.add_(param.grad.float())
+        param.grad = None
+    assert optimizer.prepare_grads() is False
+    return scales, setup.main_grads(optimizer)
+
+
+def test_agree_loss_scale_funcs_nemo_rl_and_areal_patterns_aux_gradients_exact(
+    mg: SimpleNamespace, cpu: dist.ProcessGroup
+) -> None:
+    """NeMo-RL assigns `moe_grad_scale_func` and `mtp_grad_scale_func` itself every step, to its
+    own factor and without the loss scale; AReaL sets no `grad_scale_func`, so the schedule
+    feeds its MoE and MTP scalers 1. Either way the auxiliary gradients come out S times too
+    small after the one unscale. After `agree_loss_scale_funcs`, the same assignments read as
+    the agreed scale times the stack's factor, and every gradient is exact: the stack's factor
+    times the true gradient for the auxiliary losses, the true one for the main loss."""
+    integration = mg.integration
+    true_main, true_mtp, true_moe = [1.0] * 3, [2.0] * 2, [3.0] * 4
+
+    # NeMo-RL's order: the optimizer, the config, then each step its own factors assigned
+    ours, groups = _chain(mg, cpu, convert=True, init_scale=2048.0)
+    config = _transformer_config(mg, ours.scale_loss)
+    unwired = config.moe_grad_scale_func = lambda: torch.tensor(0.5)
+    config.mtp_grad_scale_func = lambda: 0.25
+    (moe, mtp), _ = _aux_iteration(mg, ours, groups, config)
+    assert (moe, mtp) == (0.5, 0.25)  # Megatron as it is: no loss scale, S times too small
+    integration.agree_loss_scale_funcs(config, ours)
+    for factor in (0.5, 0.125):  # a new factor each step, assigned as NeMo-RL does
+        config.moe_grad_scale_func = lambda factor=factor: torch.tensor(factor)
+        config.mtp_grad_scale_func = lambda: 0.25
+        (moe, mtp), grads = _aux_iteration(mg, ours, groups, config)
+        assert (moe, mtp) == (2048 * factor, 2048 * 0.25)
+        assert grads == [
+            true_main + [0.25 * g for g in true_mtp],
+            [factor * g for g in true_moe],
+        ]
+        ours.step()
+    assert config.moe_grad_scale_func.factor() == 0.125  # what the stack assigned, kept
+    config.moe_grad_scale_func = config.moe_grad_scale_func  # read back, not wrapped twice
+    assert float(config.moe_grad_scale_func()) == 2048 * 0.125
+    assert unwired() == 0.5
+
+    # AReaL's: no grad_scale_func (its loss function scales the main loss), no scale funcs
+    ours, groups = _chain(mg, cpu, convert=True, init_scale=2048.0)
+    config = _transformer_config(mg, None)
+    (moe, mtp), _ = _aux_iteration(mg, ours, groups, config)
+    assert (moe, mtp) == (1.0, 1.0)  # the schedule's 1
+    integration.agree_loss_scale_funcs(config, ours)
+    (moe, mtp), grads = _aux_iteration(mg, ours, groups, config)
+    assert (moe, mtp) == (2048.0, 2048.0)
+    assert grads == [true_main + true_mtp, true_moe]
+
+    with pytest.raises(ValueError, match="applied to this config already"):
+        integration.agree_loss_scale_funcs(config, ours)
+    with pytest.raises(ValueError, match="takes an optimizer converted by use_shardscale"):
+        integration.agree_loss_scale_funcs(_transformer_config(mg, None), _chain(mg, cpu, convert=False)[0])
+
+
+def _rank_stage_without_experts_loop_without_zero_grad(
+    rank: int, world_size: int, sources: str
+) -> Any:
+    """A pipeline stage without experts beside one with them (first-k-dense layers: rank 0
+    builds a dense sub-optimizer only, rank 1 a dense and an expert one, its expert gradients'
+    statistics reduced over itself), in a loop that never calls `optimizer.zero_grad()`: each
+    step zeroes the DDP buffers (`zero_grad_buffer()`), runs one micro-batch and steps; an inf
+    in rank 1's expert gradients at step 2, of 5. (Megatron's own chain parts here: rank 1
+    skips and returns before the norm's all-reduce that rank 0 issues, and from then on their
+    collectives pair wrongly; its loop without `zero_grad()` is shown on one rank.)"""
+    mg = setup.import_megatron(sources)
+    world = dist.group.WORLD
+    own = [dist.new_group([each]) for each in range(world_size)]  # every rank makes each group
+    runs: dict[str, Any] = {}
+    with setup.cuda_on_cpu(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in ("shardscale",):
+            groups = [setup.group([3, 2], world, own[rank], expert=False, seed=1)]
+            if rank == 1:
+                groups.append(setup.group([4], own[rank], own[rank], expert=True, seed=2))
+            optimizer = setup.optimizer(mg, groups)
+            record: dict[str, Any] = {"taken": [], "prepare": [], "scales": []}
+            if name == "shardscale":
+                mg.integration.use_shardscale(optimizer)
+                record["replicas"] = optimizer._shardscale.replicas
+            start = setup.main_params(optimizer)
+            for step in (1, 2, 3, 4, 5):
+                for each in groups:  # Megatron's DDP zero_grad_buffer(); no optimizer.zero_grad()
+                    for param in each.params:
+                        param.main_grad.zero_()
+                setup.backward(optimizer, groups, INPUTS[: len(groups)])
+                if step == 2 and rank == 1:
+                    groups[1].params[0].main_grad[0] = INF
+                with count_collectives() as counts:
+                    optimizer.prepare_grads()  # slime's order: prepare, then step
+                record["prepare"].append(dict(counts))
+                record["taken"].append(optimizer.step()[0])
+                record["scales"].append(setup.scales(optimizer))
+            end = setup.main_params(optimizer)
+            record["moved"] = [
+                [a - b for a, b in zip(old, new, strict=True)]
+                for old, new in zip(start, end, strict=True)
+            ]
+            if name == "shardscale":
+                record["steps"] = optimizer._shardscale.scaler.stats.steps
+            runs[name] = record
+    return runs
+
+
+@pytest.mark.usefixtures("mg")  # importable here, before ranks import it
+def test_stage_without_experts_and_loop_without_zero_grad_ranks_agree_and_keep_training(
+    sources: str,
+) -> None:
+    """issue 54: the replica count is agreed once, at conversion (rank 0's own chain counts 1,
+    rank 1's dense and expert sub-optimizers count two numbers: before, rank 0 put the norm in
+    its one collective and rank 1 did not, and gloo failed on the sizes); both ranks now take
+    the same branch, issue the same collectives in `prepare_grads()` and skip step 2 together.
+    Without `zero_grad()` the skip does not stick: steps 3 to 5 are taken, and the weights
+    move by the true gradients of the four taken steps."""
+    records = run_ranks(
+        _rank_stage_without_experts_loop_without_zero_grad, 2, sources, timeout_s=180
+    )
+    ours = [runs["shardscale"] for runs in records]
+    assert [o["replicas"] for o in ours] == [None, None]
+    assert ours[0]["prepare"] == ours[1]["prepare"]
+    assert ours[0]["taken"] == ours[1]["taken"] == [True, False, True, True, True]
+    assert [o["steps"] for o in ours] == [5, 5]
+    dense = [4 * g for g in TRUE_GRADS[0]]
+    assert ours[0]["moved"] == [pytest.approx(dense, abs=1e-5)]
+    assert ours[1]["moved"] == [
+        pytest.approx(dense, abs=1e-5),
+        pytest.approx([4 * g for g in TRUE_GRADS[1]], abs=1e-5),
+    ]
+    assert ours[0]["scales"] == [[1024.0]] * 5  # hysteresis 2: one overflow holds the scale
+    assert ours[1]["scales"] == [[1024.0] * 2] * 5
+
+
+def test_loop_without_zero_grad_trains_as_megatrons_own(
+    mg: SimpleNamespace, cpu: dist.ProcessGroup
+) -> None:
+    """issue 54: a loop that zeroes the DDP buffers but never calls `optimizer.zero_grad()`.
+    Megatron's own optimizer trains in it; the converted one used to return the flag of its
+    first `prepare_grads()` for ever (one overflow, then every step skipped). Now the iteration
+    ends with `step()`: the same steps are taken, and the weights move by the true gradients
+    of the five taken steps."""
+    runs = []
+    for convert in (False, True):
+        optimizer, groups = _chain(mg, cpu, convert=convert)
+        taken, scales = [], []
+        for step in range(1, 9):
+            for each in groups:
+                for param in each.params:
+                    param.main_grad.zero_()
+            setup.backward(optimizer, groups, INPUTS)
+            if step in (2, 3, 6):
+                groups[1].params[0].main_grad[0] = INF
+            taken.append(optimizer.step()[0])
+            scales.append(setup.scales(optimizer))
+        runs.append((taken, scales, setup.main_params(optimizer)))
+    (theirs, their_scales, their_params), (ours, our_scales, our_params) = runs
+    assert ours == theirs == [True, False, False, True, True, False, True, True]
+    # the scale moves as Megatron's expert scaler (the one that saw the overflows) moves
+    assert our_scales == [[expert, expert] for _, expert in their_scales]
+    assert our_scales[-1] == [256.0, 256.0]  # backed off at steps 3 and 6 (hysteresis 2)
+    assert our_params[0] == their_params[0]  # the dense weights: exact on both sides
+    start = setup.main_params(_chain(mg, cpu, convert=False)[0])[1]
+    assert [a - b for a, b in zip(start, our_params[1], strict=True)] == [5 * 3.0] * 4
