@@ -619,7 +619,9 @@ def test_agree_loss_scale_funcs_nemo_rl_and_areal_patterns_aux_gradients_exact(
     with pytest.raises(ValueError, match="applied to this config already"):
         integration.agree_loss_scale_funcs(config, ours)
     with pytest.raises(ValueError, match="takes an optimizer converted by use_shardscale"):
-        integration.agree_loss_scale_funcs(_transformer_config(mg, None), _chain(mg, cpu, convert=False)[0])
+        integration.agree_loss_scale_funcs(
+            _transformer_config(mg, None), _chain(mg, cpu, convert=False)[0]
+        )
 
 
 def _rank_stage_without_experts_loop_without_zero_grad(
@@ -729,3 +731,131 @@ def test_loop_without_zero_grad_trains_as_megatrons_own(
     assert our_params[0] == their_params[0]  # the dense weights: exact on both sides
     start = setup.main_params(_chain(mg, cpu, convert=False)[0])[1]
     assert [a - b for a, b in zip(start, our_params[1], strict=True)] == [5 * 3.0] * 4
+
+
+def test_precision_aware_optimizer_decoupled_grads_checked_and_unscaled_in_place(
+    mg: SimpleNamespace, cpu: dist.ProcessGroup
+) -> None:
+    """verl's fp16 setting turns on Megatron's precision-aware optimizer, whose main gradients
+    live in `decoupled_grad` (the DDP buffer; tests/megatron_setup.decoupled_optimizer says
+    what of it is a stand-in). The converted optimizer checks and unscales them in place, in
+    its one collective: the inner optimizer reads the true gradients, the norm is Megatron's
+    own (its filter reads `decoupled_grad`), and an overflow there skips with the scale held
+    for one step (hysteresis 2), as Megatron's own does. (On one rank; the collectives are
+    the converted optimizer's usual ones, the gradients' place aside.)"""
+    runs = []
+    for convert in (False, True):
+        groups = [
+            setup.group([3, 2], cpu, cpu, expert=False, seed=1),
+            setup.group([4], cpu, cpu, expert=True, seed=2),
+        ]
+        optimizer = setup.decoupled_optimizer(mg, groups)
+        if convert:
+            assert mg.integration.use_shardscale(optimizer).get_scale() == 1024.0
+        record: dict[str, Any] = {"taken": [], "norms": []}
+        before = setup.main_params(optimizer)
+        for step in (1, 2, 3):
+            setup.zero_grad(optimizer, groups)
+            setup.backward(optimizer, groups, INPUTS)
+            if step == 2:
+                groups[1].params[0].main_grad[0] = INF
+            taken, norm, _ = optimizer.step()
+            record["taken"].append(taken)
+            record["norms"].append(norm)
+            if step == 3:
+                record["grads"] = setup.decoupled_grads(optimizer)
+        record["moved"] = [
+            [a - b for a, b in zip(old, new, strict=True)]
+            for old, new in zip(before, setup.main_params(optimizer), strict=True)
+        ]
+        record["scales"] = setup.scales(optimizer)
+        runs.append(record)
+    theirs, ours = runs
+    assert ours["taken"] == theirs["taken"] == [True, False, True]
+    assert ours["grads"] == theirs["grads"] == TRUE_GRADS
+    norm = pytest.approx(math.sqrt(47))
+    assert ours["norms"] == [norm, None, norm]
+    assert theirs["norms"] == [norm, None, norm]
+    assert ours["moved"] == [[2 * g for g in grads] for grads in TRUE_GRADS]
+    assert ours["scales"] == [1024.0, 1024.0]
+
+
+def _ddp_model(mg: SimpleNamespace) -> tuple[Any, Any]:
+    """A one-layer fp16 model in megatron-core's `DistributedDataParallel` (its gradient
+    buffers in fp32, for its distributed optimizer), and its `TransformerConfig`."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    config = _transformer_config(mg, None)
+    config.fp16, config.params_dtype = True, torch.float16
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 2, bias=False).half()
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True
+    )
+    return DistributedDataParallel(config, ddp_config, layer), layer
+
+
+def _ddp_step(optimizer: Any, ddp: Any, layer: Any, value: float | None = None) -> Any:
+    """Megatron's training step on one rank: zero the buffers, a scaled backward (the DDP hook
+    adds into the fp32 buffer), optionally plant `value` in it, step."""
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    optimizer.scale_loss(layer(torch.ones(1, 4).half()).float().sum()).backward()
+    if value is not None:
+        layer.weight.main_grad.view(-1)[0] = value
+    return optimizer.step()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Megatron's fallbacks (no TE, no apex)
+def test_install_converts_each_optimizer_built_before_pretrains_checkpoint_load(
+    mg: SimpleNamespace, cpu: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Megatron-LM's `pretrain()` builds the optimizer (`get_megatron_optimizer`, imported by
+    name into `megatron.training.training`) and loads the checkpoint into it at once.
+    `install()` converts every optimizer built from then on: megatron-core's own
+    `get_megatron_optimizer`, fp16, a `DistributedOptimizer` over its DDP buffers, comes back
+    converted from both bindings, and a checkpoint of a converted one loads the scaler whole
+    into the next, as `load_checkpoint` would right after. (`megatron/training` is not in
+    megatron-core's wheel: its module here is a stand-in that binds the name as it does.)"""
+    import sys
+    import types
+
+    import megatron.core.optimizer as megatron_optimizer
+
+    original = megatron_optimizer.get_megatron_optimizer
+    for module in [m for m in sys.modules.values() if getattr(m, "__name__", "")[:8] == "megatron"]:
+        if getattr(module, "get_megatron_optimizer", None) is original:
+            monkeypatch.setattr(module, "get_megatron_optimizer", original)  # restored after
+    training = types.ModuleType("megatron.training.training")
+    training.get_megatron_optimizer = original  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, training.__name__, training)
+    mg.integration.install(init_scale=1024.0)
+    mg.integration.install(init_scale=1024.0)  # idempotent
+    with pytest.raises(ValueError, match="called already with"):
+        mg.integration.install(init_scale=8.0)
+    build = training.get_megatron_optimizer  # type: ignore[attr-defined]
+    assert build is megatron_optimizer.get_megatron_optimizer is not original
+
+    config = mg.OptimizerConfig(fp16=True, lr=0.1, optimizer="adam", use_distributed_optimizer=True)
+    mg.parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
+    try:
+        ddp, layer = _ddp_model(mg)
+        first = build(config, [ddp], use_gloo_process_groups=False)
+        assert type(first.chained_optimizers[0]).__name__ == "DistributedOptimizer"
+        scaler = mg.integration.scaler_of(first)
+        assert [_ddp_step(first, ddp, layer, v)[0] for v in (None, INF, INF, None)] == [
+            True,
+            False,
+            False,
+            True,
+        ]
+        saved = scaler.state_dict()
+        assert (saved["scale"], saved["skipped_steps"]) == (512.0, 2)
+        ddp_again, _ = _ddp_model(mg)
+        resumed = build(config, [ddp_again], use_gloo_process_groups=False)
+        resumed.load_state_dict(first.state_dict())  # load_checkpoint, right after the build
+        assert mg.integration.scaler_of(resumed).state_dict() == saved
+    finally:
+        mg.parallel_state.destroy_model_parallel()
+    with pytest.raises(ValueError, match="takes an optimizer converted"):
+        mg.integration.scaler_of(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
