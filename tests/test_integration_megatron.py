@@ -194,7 +194,7 @@ def test_use_shardscale_refuses_optimizers_it_cannot_agree_on(
 ) -> None:
     integration = mg.integration
     with pytest.raises(
-        TypeError, match="takes a Megatron ChainedOptimizer or MixedPrecisionOptimizer, got SGD"
+        TypeError, match="ChainedOptimizer, MixedPrecisionOptimizer or MimoOptimizer, got SGD"
     ):
         integration.use_shardscale(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
     converted, _ = _chain(mg, cpu, convert=True)
@@ -859,3 +859,59 @@ def test_install_converts_each_optimizer_built_before_pretrains_checkpoint_load(
         mg.parallel_state.destroy_model_parallel()
     with pytest.raises(ValueError, match="takes an optimizer converted"):
         mg.integration.scaler_of(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
+
+
+def _rank_mimo_modules_on_their_own_grids(rank: int, world_size: int, sources: str) -> Any:
+    """megatron-core's `MimoOptimizer` over two modules on disjoint grids (rank 0 runs the
+    encoder, rank 1 the language model, each module's optimizer a chain over its own rank);
+    an inf in the encoder's gradients at steps 2 and 3, of 5. Megatron's own and converted."""
+    mg = setup.import_megatron(sources)
+    from megatron.core.models.mimo.optimizer import MimoOptimizer, ModuleOptimizerInfo
+
+    own = [dist.new_group([each]) for each in range(world_size)]
+    runs: dict[str, Any] = {}
+    with setup.cuda_on_cpu(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in ("megatron", "shardscale"):
+            groups = [setup.group([3, 2], own[rank], own[rank], expert=False, seed=1 + rank)]
+            infos = {
+                module: ModuleOptimizerInfo(
+                    optimizer=setup.optimizer(mg, groups) if index == rank else None,
+                    grid=None,
+                    pg_collection=None,
+                    is_active=index == rank,
+                )
+                for index, module in enumerate(("encoder", "language"))
+            }
+            optimizer = MimoOptimizer(infos, mg.OptimizerConfig(fp16=True, lr=1.0, clip_grad=0.0))
+            if name == "shardscale":
+                mg.integration.use_shardscale(optimizer)
+            record: dict[str, Any] = {"taken": [], "scales": [], "loss_scale": []}
+            for step in (1, 2, 3, 4, 5):
+                setup.zero_grad(optimizer, groups)
+                record["loss_scale"].append(float(optimizer.get_loss_scale()))
+                setup.backward(optimizer, groups, INPUTS[:1])
+                if step in (2, 3) and rank == 0:
+                    groups[0].params[0].main_grad[0] = INF
+                record["taken"].append(optimizer.step()[0])
+                record["scales"].append(
+                    [float(optimizer._active_optimizers[0].chained_optimizers[0].grad_scaler.scale)]
+                )
+            runs[name] = record
+    return runs
+
+
+@pytest.mark.usefixtures("mg")  # importable here, before ranks import it
+def test_mimo_optimizer_one_scale_for_every_module_where_megatrons_part(sources: str) -> None:
+    """megatron-core's MIMO optimizer ORs its modules' flags over the world before it skips,
+    but each module's scaler has already moved on its own module's flag: after the encoder's
+    two overflows its scale is 512 and the language model's grows to 2048. Converted, one
+    scale moves for every module on every rank, and both ranks skip steps 2 and 3 together."""
+    records = run_ranks(_rank_mimo_modules_on_their_own_grids, 2, sources, timeout_s=180)
+    megatron = [runs["megatron"] for runs in records]
+    ours = [runs["shardscale"] for runs in records]
+    assert megatron[0]["taken"] == megatron[1]["taken"] == [True, False, False, True, True]
+    assert ours[0]["taken"] == ours[1]["taken"] == [True, False, False, True, True]
+    assert [m["scales"][-1] for m in megatron] == [[512.0], [2048.0]]
+    assert ours[0]["scales"] == ours[1]["scales"] == [[1024.0]] * 2 + [[512.0]] * 3
+    assert ours[0]["loss_scale"] == ours[1]["loss_scale"] == [1024.0] * 3 + [512.0] * 2

@@ -217,6 +217,15 @@ def agree_loss_scale_funcs(config: Any, optimizer: Any) -> None:
     type(config)._agreement = agreement
 
 
+def _is_mimo(optimizer: Any) -> bool:
+    """Whether `optimizer` is megatron-core's `MimoOptimizer` (one optimizer per module of a
+    model whose modules run on grids of their own), without importing its model package."""
+    return any(
+        cls.__name__ == "MimoOptimizer" and cls.__module__ == "megatron.core.models.mimo.optimizer"
+        for cls in type(optimizer).__mro__
+    )
+
+
 def _fits(policy: Any) -> bool:
     """Whether a `scale_policy` argument is the fit (by name, or a policy object that fits)."""
     return policy == "fit" or getattr(policy, "fit", False) is True
@@ -234,10 +243,12 @@ def _leaves(optimizer: Any) -> list[Any]:
         leaves = list(optimizer.chained_optimizers)
     elif isinstance(optimizer, MixedPrecisionOptimizer):
         leaves = [optimizer]
+    elif _is_mimo(optimizer):  # each active module's optimizer, its sub-optimizers flattened
+        leaves = [leaf for module in optimizer._active_optimizers for leaf in _leaves(module)]
     else:
         raise TypeError(
-            "use_shardscale() takes a Megatron ChainedOptimizer or MixedPrecisionOptimizer, got "
-            f"{type(optimizer).__qualname__}"
+            "use_shardscale() takes a Megatron ChainedOptimizer, MixedPrecisionOptimizer or "
+            f"MimoOptimizer, got {type(optimizer).__qualname__}"
         )
     if not leaves:
         raise ValueError("the ChainedOptimizer holds no sub-optimizer on this rank, got []")
