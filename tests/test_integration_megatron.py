@@ -237,7 +237,11 @@ def test_use_shardscale_options_floor_error_meter_and_fit_work_as_elsewhere(
     _iteration(metered, groups)
     stats = metered._shardscale.scaler.stats
     assert (stats.underflow, stats.underflow_step) == (0.0, 1)
-    fitted, groups = _chain(mg, cpu, convert=True, scale_policy="fit")
+    with warnings.catch_warnings():  # Megatron's window (1000 by default) is not the user's:
+        warnings.simplefilter("error")  # the fit does not warn that it goes unused
+        fitted, groups = _chain(mg, cpu, convert=True, scale_policy="fit")
+    with pytest.warns(ShardScaleWarning, match="growth_interval=7 is not used"):
+        _chain(mg, cpu, convert=True, scale_policy="fit", growth_interval=7)  # the user's: warned
     _iteration(fitted, groups)
     assert setup.scales(fitted) == [2.0**13, 2.0**13]
 
@@ -915,3 +919,20 @@ def test_mimo_optimizer_one_scale_for_every_module_where_megatrons_part(sources:
     assert [m["scales"][-1] for m in megatron] == [[512.0], [2048.0]]
     assert ours[0]["scales"] == ours[1]["scales"] == [[1024.0]] * 2 + [[512.0]] * 3
     assert ours[0]["loss_scale"] == ours[1]["loss_scale"] == [1024.0] * 3 + [512.0] * 2
+
+
+def test_loss_scale_device_follows_the_loss_it_scales(
+    mg: SimpleNamespace, cpu: dist.ProcessGroup
+) -> None:
+    """The scale Megatron reads (`get_loss_scale()`, each `grad_scaler.scale`) is on the device
+    of the last loss scaled, not fixed at conversion: an optimizer converted while offloaded
+    to the CPU hands a loss on another device a scale on that device. (No CUDA here: the other
+    device is torch's `meta`, which the scaler's kernels run on too.)"""
+    ours, _ = _chain(mg, cpu, convert=True)
+    assert ours.get_loss_scale().device == torch.device("cpu")  # no CUDA, no loss yet
+    loss = ours.scale_loss(torch.ones(1, device="meta"))
+    assert loss.device == torch.device("meta")
+    assert ours.get_loss_scale().device == torch.device("meta")
+    assert ours.chained_optimizers[1].grad_scaler.scale.device == torch.device("meta")
+    ours.scale_loss(torch.ones(1))
+    assert ours.get_loss_scale().device == torch.device("cpu")
