@@ -24,9 +24,8 @@ the checkpoint folder after verl's own files, and every rank reads it back.
 verl's Megatron engine (`MegatronEngine`) in fp16 builds Megatron's fp16 optimizer with the
 precision-aware optimizer on (`init_megatron_optim_config`), one `DynamicGradScaler` per
 sub-optimizer, and raises `NotImplementedError` from `optimizer_step` on any skipped step.
-[`use_shardscale_megatron()`][use_shardscale_megatron] (one engine, after `initialize()`) and
-`install()` (every engine) convert its optimizer with
-[`megatron.use_shardscale`][shardscale.integrations.megatron.use_shardscale] and make a step
+`use_shardscale_megatron()` (one engine, after `initialize()`) and `install()` (every engine)
+convert its optimizer with `shardscale.integrations.megatron.use_shardscale` and make a step
 skipped on every rank together return as the FSDP path's does: the step is not taken and the
 norm returned is `inf`. Its checkpoints carry the scaler in Megatron's own optimizer state.
 """
