@@ -17,7 +17,15 @@ place (its class becomes a subclass of its own, as FSDP2's `fully_shard` does wi
   sub-optimizer's in one all-reduce over the scaler's group (the world by default), in which the
   gradient norm that `step()` and `get_grad_norm()` read travels too, where one replica count
   describes every sub-optimizer's gradients; the scale moves once;
-* a second `prepare_grads()` before `zero_grad()` does nothing and returns the same flag;
+* a second `prepare_grads()` in the same iteration does nothing and returns the same flag; the
+  iteration ends when `step()` returns, at `zero_grad()`, or when a loss is scaled again (a loop
+  without `zero_grad()` trains);
+* the replica count the norm needs is agreed once, at conversion, so that every rank takes the
+  same branch (a pipeline stage without experts has no expert sub-optimizer);
+* the precision-aware optimizer's `decoupled_grad`s and megatron-core's `MimoOptimizer` are
+  taken; `agree_loss_scale_funcs()` gives MoE and MTP losses the agreed scale times a stack's
+  own factor; `install()` converts every optimizer `get_megatron_optimizer` builds (Megatron-LM's
+  `pretrain()`);
 * each sub-optimizer's `grad_scaler` is a view of the one scaler, so Megatron's own checkpoint
   code (`state_dict()`, `sharded_state_dict()`, `load_state_dict()`) saves and restores the
   scaler, and a checkpoint saved by Megatron's own scalers resumes.
