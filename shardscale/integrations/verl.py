@@ -187,8 +187,13 @@ def _optimizer_step_through_skips(engine: Any, verl_step: Callable[[Any], Any]) 
 
 def _install_megatron() -> None:
     """Patch verl's `MegatronEngine` (where megatron-core imports): an fp16 engine's optimizer
-    is converted as it is built, and its skipped steps return."""
-    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+    is converted as it is built, and its skipped steps return. Where verl's Megatron engine
+    module does not import (a megatron-core or bridge verl cannot use), nothing is patched:
+    no Megatron engine can be built in this process either."""
+    try:
+        from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+    except ImportError:
+        return
 
     if getattr(MegatronEngine, _PATCHED, False):
         return
