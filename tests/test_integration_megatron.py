@@ -620,8 +620,11 @@ def test_agree_loss_scale_funcs_nemo_rl_and_areal_patterns_aux_gradients_exact(
     assert (moe, mtp) == (2048.0, 2048.0)
     assert grads == [true_main + true_mtp, true_moe]
 
-    with pytest.raises(ValueError, match="applied to this config already"):
-        integration.agree_loss_scale_funcs(config, ours)
+    again, _ = _chain(mg, cpu, convert=True, init_scale=64.0)
+    integration.agree_loss_scale_funcs(config, again)  # a new optimizer: its scale from now on
+    assert float(config.moe_grad_scale_func()) == 64.0
+    config.grad_scale_func = again.scale_loss  # nothing assigned: the schedule's fallback
+    assert config.moe_grad_scale_func is None
     with pytest.raises(ValueError, match="takes an optimizer converted by use_shardscale"):
         integration.agree_loss_scale_funcs(
             _transformer_config(mg, None), _chain(mg, cpu, convert=False)[0]
@@ -855,6 +858,13 @@ def test_install_converts_each_optimizer_built_before_pretrains_checkpoint_load(
         ]
         saved = scaler.state_dict()
         assert (saved["scale"], saved["skipped_steps"]) == (512.0, 2)
+        # the DistributedOptimizer knows its model chunks: their config is wired by the
+        # conversion itself (no grad_scale_func, as AReaL: the agreed scale; NeMo-RL's own
+        # factor assigned later: times the agreed scale)
+        model_config = ddp.config
+        assert float(model_config.moe_grad_scale_func()) == 512.0
+        model_config.mtp_grad_scale_func = lambda: 0.25
+        assert float(model_config.mtp_grad_scale_func()) == 128.0
         ddp_again, _ = _ddp_model(mg)
         resumed = build(config, [ddp_again], use_gloo_process_groups=False)
         resumed.load_state_dict(first.state_dict())  # load_checkpoint, right after the build

@@ -126,7 +126,21 @@ def use_shardscale(optimizer: Any, **scaler_kwargs: Any) -> ShardedGradScaler:
         leaf.grad_scaler = _AgreedScale(agreement)
     optimizer._shardscale = agreement
     optimizer.__class__ = _converted(type(optimizer))
+    for config in _model_configs(optimizer):
+        agree_loss_scale_funcs(config, optimizer)
     return scaler
+
+
+def _model_configs(optimizer: Any) -> list[Any]:
+    """The model configs the optimizer knows of (a `DistributedOptimizer`'s model chunks,
+    which a `ChainedOptimizer` collects; megatron-core's float16 optimizer keeps none)."""
+    from megatron.core.utils import get_model_config  # type: ignore[import-not-found]
+
+    configs: dict[int, Any] = {}
+    for chunk in getattr(optimizer, "model_chunks", None) or []:
+        config = get_model_config(chunk)
+        configs.setdefault(id(config), config)
+    return list(configs.values())
 
 
 def scaler_of(optimizer: Any) -> ShardedGradScaler:
@@ -197,8 +211,15 @@ def agree_loss_scale_funcs(config: Any, optimizer: Any) -> None:
     else by 1. A stack that sets them itself (NeMo-RL, each step, to its own factor) or sets no
     `grad_scale_func` (AReaL: the schedule feeds 1) leaves those gradients without the loss
     scale, and the one unscale makes them S times too small. After this call, `config`'s two
-    attributes read as the agreed scale times what was assigned to them (1 where nothing
-    was), whenever and however often the stack assigns them: its code stays as it is.
+    attributes read as the agreed scale times what was assigned to them, whenever and however
+    often the stack assigns them: its code stays as it is. Where nothing is assigned, they
+    read as None while `config.grad_scale_func` is set (the schedule then scales by it, as it
+    does unconverted) and as the agreed scale where it is not (AReaL).
+
+    `use_shardscale()` does this itself for the configs of the model chunks the optimizer
+    holds (the `DistributedOptimizer`'s); call it for the others (megatron-core's float16
+    optimizer keeps no model chunks). A config given another converted optimizer's scale
+    before follows this one's from now on.
 
     Example:
         ```python
@@ -214,12 +235,13 @@ def agree_loss_scale_funcs(config: Any, optimizer: Any) -> None:
         optimizer: an optimizer `use_shardscale()` converted.
 
     Raises:
-        ValueError: the optimizer is not converted, or the config was given this already.
+        ValueError: the optimizer is not converted.
     """
     scaler_of(optimizer)  # raises where it is not converted
     agreement = optimizer._shardscale
-    if isinstance(config, _AgreedScaleFuncs):
-        raise ValueError("agree_loss_scale_funcs() was applied to this config already")
+    if isinstance(config, _AgreedScaleFuncs):  # its class is its own: point it at this scale
+        type(config)._agreement = agreement
+        return
     cls = type(config)
     config.__class__ = type(f"ShardScale{cls.__name__}", (_AgreedScaleFuncs, cls), {})
     type(config)._agreement = agreement
@@ -646,8 +668,11 @@ class _TimesAgreed:
 def _times_agreed(name: str) -> property:
     """A config attribute that stores what the stack assigns and reads it times the scale."""
 
-    def get(self: Any) -> _TimesAgreed:
-        return _TimesAgreed(type(self)._agreement, self.__dict__.get(name))
+    def get(self: Any) -> _TimesAgreed | None:
+        assigned = self.__dict__.get(name)
+        if assigned is None and getattr(self, "grad_scale_func", None) is not None:
+            return None  # the schedule falls back to grad_scale_func(1): the stack's scaling
+        return _TimesAgreed(type(self)._agreement, assigned)
 
     def set_(self: Any, value: Any) -> None:  # a read value assigned back is not wrapped twice
         self.__dict__[name] = value.factor if isinstance(value, _TimesAgreed) else value
