@@ -12,7 +12,8 @@
 # interpreter launch/python_env.sh picks.
 #
 # With TORCH=X.Y.Z: a virtual environment of its own, under $SHARDSCALE_VENVS (default
-# ~/.cache/shardscale), holding torch==X.Y.Z, shardscale's test extra and the packages named in
+# ~/.cache/shardscale), holding torch==X.Y.Z, shardscale's test and megatron-test extras (the
+# latter: what megatron-core's sources import) and the packages named in
 # WITH (pip requirements, space-separated), each package's own pins honoured: only torch and
 # pytest are pinned by us. It is made the first time and kept for the next run; it is made
 # afresh when torch, WITH, pyproject.toml or the pins change, or with FRESH=1. shardscale itself
@@ -59,7 +60,7 @@ reporting() {
 
 if [[ -z "${TORCH:-}" ]]; then
     . launch/python_env.sh
-    use_python_with dev "import shardscale, pytest, xdist, pytest_timeout, hypothesis, numpy, verl, trl, lightning, torchtitan, build"
+    use_python_with dev "import shardscale, pytest, xdist, pytest_timeout, hypothesis, numpy, verl, trl, lightning, torchtitan, build, triton, psutil"
     megatron_sources "$PYTHON"
     reporting "$PYTHON" "$@"
     exec "$PYTHON" -m pytest -n 2 ${report_args[@]+"${report_args[@]}"} "$@"
@@ -78,7 +79,7 @@ if [[ "${FRESH:-0}" == 1 || "$(cat "$venv/stamp" 2>/dev/null)" != "$stamp" ]]; t
     echo "$pins" >"$constraints"
     # shellcheck disable=SC2086  # WITH is a list of requirements
     PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install --quiet -c "$constraints" \
-        "torch==$TORCH" ".[test]" ${WITH:-}
+        "torch==$TORCH" ".[test,megatron-test]" ${WITH:-}
     echo "$stamp" >"$venv/stamp"
 fi
 PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install --quiet --no-deps -e .

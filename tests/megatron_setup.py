@@ -189,3 +189,75 @@ def main_params(optimizer: Any) -> list[list[float]]:
 def scales(optimizer: Any) -> list[float]:
     """Each sub-optimizer's grad scaler's scale."""
     return [float(leaf.grad_scaler.scale) for leaf in optimizer.chained_optimizers]
+
+
+class _DecoupledSGD(torch.optim.Optimizer):
+    """SGD that reads each parameter's `decoupled_grad`, as Transformer Engine's `FusedAdam`
+    does with `use_decoupled_grad=True` (the inner optimizer of the precision-aware one)."""
+
+    def __init__(self, params: list[torch.Tensor], lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                grad = getattr(param, "decoupled_grad", None)
+                if grad is not None:
+                    param.add_(grad.to(param.dtype), alpha=-group["lr"])
+
+
+def decoupled_optimizer(
+    mg: SimpleNamespace, groups: list[Group], *, clip_grad: float = 0.0, **settings: float
+) -> Any:
+    """A `ChainedOptimizer` whose sub-optimizers keep their main gradients as the
+    precision-aware optimizer does (verl's fp16 setting): in `main_param.decoupled_grad`, the
+    DDP buffer itself, read by the inner optimizer and by Megatron's norm and unscale.
+
+    A stand-in, said plainly: the precision-aware optimizer is a `DistributedOptimizer` over
+    Transformer Engine's `FusedAdam`, which does not run on a CPU. This is megatron-core's
+    `Float16OptimizerWithFloat16Params` with the two methods the precision-aware path changes
+    (`_copy_model_grads_to_main_grads`, `_collect_main_grad_data_for_unscaling`) written as
+    `DistributedOptimizer` writes them for it, unsharded; everything else (its config flag, the
+    norm's filter, the clip, the chain, the scaler) is megatron-core's own."""
+
+    class Decoupled(mg.Float16Optimizer):  # type: ignore[misc,name-defined]
+        def _copy_model_grads_to_main_grads(self) -> None:
+            for model_group, main_group in zip(
+                self.float16_groups, self.fp32_from_float16_groups, strict=True
+            ):
+                for model_param, main_param in zip(model_group, main_group, strict=True):
+                    main_param.decoupled_grad = model_param.main_grad
+                    model_param.grad = None
+
+        def _collect_main_grad_data_for_unscaling(self) -> list[torch.Tensor]:
+            return [
+                param.decoupled_grad.data
+                for group in self.optimizer.param_groups
+                for param in group["params"]
+            ]
+
+    config = mg.OptimizerConfig(fp16=True, lr=1.0, clip_grad=clip_grad)
+    # set after __post_init__, which asks for the distributed optimizer and TE's Adam
+    config.use_precision_aware_optimizer = True
+    config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+    leaves = []
+    for each in groups:
+        scaler = mg.DynamicGradScaler(**{**SCALER, **settings})
+        leaf = Decoupled(
+            _DecoupledSGD(each.params, lr=1.0), config, scaler, _no_state_to_initialise
+        )
+        leaf.grad_stats_parallel_group = each.grad_stats
+        leaf.tp_group = leaf.expert_tp_group = each.tp
+        leaves.append(leaf)
+    return mg.ChainedOptimizer(leaves)
+
+
+def decoupled_grads(optimizer: Any) -> list[list[float]]:
+    """Each sub-optimizer's `decoupled_grad`s, flattened (what the inner optimizer reads)."""
+    return [
+        torch.cat(
+            [p.decoupled_grad.flatten() for group in leaf.fp32_from_float16_groups for p in group]
+        ).tolist()
+        for leaf in optimizer.chained_optimizers
+    ]

@@ -166,9 +166,9 @@ def test_prepare_grads_twice_in_one_step_unscales_once_megatrons_own_divides_aga
 def test_converted_optimizer_out_of_order_calls_raise_naming_the_rule(
     mg: SimpleNamespace, cpu: dist.ProcessGroup
 ) -> None:
-    """A step before its check, a step after an agreed overflow, a second iteration without
-    `zero_grad()`, and a sub-optimizer's own check or scale move: each raises, before any
-    gradient is touched."""
+    """A step before its check, a step after an agreed overflow, a second step in one
+    iteration, and a sub-optimizer's own check or scale move: each raises, before any gradient
+    is touched."""
     ours, groups = _chain(mg, cpu, convert=True)
     setup.zero_grad(ours, groups)
     setup.backward(ours, groups, INPUTS)
@@ -181,8 +181,6 @@ def test_converted_optimizer_out_of_order_calls_raise_naming_the_rule(
     with pytest.raises(RuntimeError, match=r"moves once per step.*update\(found_inf=True\)"):
         dense.grad_scaler.update(True)
     assert ours.step()[0] is True
-    with pytest.raises(RuntimeError, match=r"after this iteration's step: call optimizer\.zero"):
-        ours.prepare_grads()
     with pytest.raises(RuntimeError, match="called already in this iteration"):
         ours.step_with_ready_grads()
 
@@ -196,7 +194,7 @@ def test_use_shardscale_refuses_optimizers_it_cannot_agree_on(
 ) -> None:
     integration = mg.integration
     with pytest.raises(
-        TypeError, match="takes a Megatron ChainedOptimizer or MixedPrecisionOptimizer, got SGD"
+        TypeError, match="ChainedOptimizer, MixedPrecisionOptimizer or MimoOptimizer, got SGD"
     ):
         integration.use_shardscale(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
     converted, _ = _chain(mg, cpu, convert=True)
@@ -211,10 +209,6 @@ def test_use_shardscale_refuses_optimizers_it_cannot_agree_on(
         match=r"got sub-optimizer 1 \(Float16OptimizerWithFloat16Params\) without one \(bf16\?\)",
     ):
         integration.use_shardscale(bf16)
-    decoupled, _ = _chain(mg, cpu, convert=False)
-    decoupled.chained_optimizers[0].config.use_precision_aware_optimizer = True
-    with pytest.raises(ValueError, match="use_precision_aware_optimizer must be False"):
-        integration.use_shardscale(decoupled)
     mixed, _ = _chain(mg, cpu, convert=False)
     mixed.chained_optimizers[0].grad_scaler = mg.ConstantGradScaler(8.0)
     with pytest.raises(TypeError, match="all Megatron's DynamicGradScaler or all its Constant"):
@@ -243,7 +237,11 @@ def test_use_shardscale_options_floor_error_meter_and_fit_work_as_elsewhere(
     _iteration(metered, groups)
     stats = metered._shardscale.scaler.stats
     assert (stats.underflow, stats.underflow_step) == (0.0, 1)
-    fitted, groups = _chain(mg, cpu, convert=True, scale_policy="fit")
+    with warnings.catch_warnings():  # Megatron's window (1000 by default) is not the user's:
+        warnings.simplefilter("error")  # the fit does not warn that it goes unused
+        fitted, groups = _chain(mg, cpu, convert=True, scale_policy="fit")
+    with pytest.warns(ShardScaleWarning, match="growth_interval=7 is not used"):
+        _chain(mg, cpu, convert=True, scale_policy="fit", growth_interval=7)  # the user's: warned
     _iteration(fitted, groups)
     assert setup.scales(fitted) == [2.0**13, 2.0**13]
 
@@ -526,3 +524,425 @@ def test_chained_same_replicas_flag_and_norm_in_one_collective_megatron_replicas
         # Megatron asks once whether separate grad-norm groups exist (two all-reduces)
         assert ours[rank]["collectives"][:3] == [4, 1, 1]
     assert [m["collectives"][:3] for m in megatron] == [[6, 4, 4], [6, 4, 2]]
+
+
+def _transformer_config(mg: SimpleNamespace, grad_scale_func: Any) -> Any:
+    """Megatron's own `TransformerConfig`, with MoE and MTP on (what the schedule reads)."""
+    from megatron.core.transformer import TransformerConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its defaults' deprecations and fallbacks
+        config = TransformerConfig(
+            num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_experts=2, mtp_num_layers=1
+        )
+    config.moe_router_topk, config.moe_router_pre_softmax = 1, True
+    config.grad_scale_func = grad_scale_func
+    return config
+
+
+def _aux_iteration(mg: SimpleNamespace, optimizer: Any, groups: Any, config: Any) -> Any:
+    """One micro-batch of one through Megatron's schedule: a main loss on the dense weights, a
+    MoE auxiliary loss on the expert weights and an MTP loss on the second dense weight, each
+    through Megatron's own autograd scaler; the main loss scaled by the stack (`grad_scale_func`,
+    or `scale_loss` in the loss function where the stack sets none)."""
+    schedules = mg.schedules
+    dense, expert = groups[0].params, groups[1].params[0]
+    setup.zero_grad(optimizer, groups)
+    hidden = dense[0].float() * INPUTS[0][0]
+    hidden = mg.MoEAuxLossAutoScaler.apply(hidden, (expert.float() * INPUTS[1][0]).sum())
+    hidden = mg.MTPLossAutoScaler.apply(hidden, (dense[1].float() * INPUTS[0][1]).sum())
+
+    def loss_func(out: torch.Tensor) -> Any:
+        loss = out.sum()
+        return (loss if config.grad_scale_func else optimizer.scale_loss(loss)), {}
+
+    try:
+        loss, _ = schedules.forward_step_calc_loss(
+            None, hidden, loss_func, config, None, False, 1, [], 1, True
+        )
+        scales = (
+            float(mg.MoEAuxLossAutoScaler.main_loss_backward_scale),
+            float(mg.MTPLossAutoScaler.main_loss_backward_scale),
+        )
+        schedules.backward_step(None, loss, None, config)
+    finally:
+        mg.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        mg.MTPLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0)
+    for param in [*dense, expert]:
+        param.main_grad.add_(param.grad.float())
+        param.grad = None
+    assert optimizer.prepare_grads() is False
+    return scales, setup.main_grads(optimizer)
+
+
+def test_agree_loss_scale_funcs_nemo_rl_and_areal_patterns_aux_gradients_exact(
+    mg: SimpleNamespace, cpu: dist.ProcessGroup
+) -> None:
+    """NeMo-RL assigns `moe_grad_scale_func` and `mtp_grad_scale_func` itself every step, to its
+    own factor and without the loss scale; AReaL sets no `grad_scale_func`, so the schedule
+    feeds its MoE and MTP scalers 1. Either way the auxiliary gradients come out S times too
+    small after the one unscale. After `agree_loss_scale_funcs`, the same assignments read as
+    the agreed scale times the stack's factor, and every gradient is exact: the stack's factor
+    times the true gradient for the auxiliary losses, the true one for the main loss."""
+    integration = mg.integration
+    true_main, true_mtp, true_moe = [1.0] * 3, [2.0] * 2, [3.0] * 4
+
+    # NeMo-RL's order: the optimizer, the config, then each step its own factors assigned
+    ours, groups = _chain(mg, cpu, convert=True, init_scale=2048.0)
+    config = _transformer_config(mg, ours.scale_loss)
+    unwired = config.moe_grad_scale_func = lambda: torch.tensor(0.5)
+    config.mtp_grad_scale_func = lambda: 0.25
+    (moe, mtp), _ = _aux_iteration(mg, ours, groups, config)
+    assert (moe, mtp) == (0.5, 0.25)  # Megatron as it is: no loss scale, S times too small
+    integration.agree_loss_scale_funcs(config, ours)
+    for factor in (0.5, 0.125):  # a new factor each step, assigned as NeMo-RL does
+        config.moe_grad_scale_func = lambda factor=factor: torch.tensor(factor)
+        config.mtp_grad_scale_func = lambda: 0.25
+        (moe, mtp), grads = _aux_iteration(mg, ours, groups, config)
+        assert (moe, mtp) == (2048 * factor, 2048 * 0.25)
+        assert grads == [
+            true_main + [0.25 * g for g in true_mtp],
+            [factor * g for g in true_moe],
+        ]
+        ours.step()
+    assert config.moe_grad_scale_func.factor() == 0.125  # what the stack assigned, kept
+    config.moe_grad_scale_func = config.moe_grad_scale_func  # read back, not wrapped twice
+    assert float(config.moe_grad_scale_func()) == 2048 * 0.125
+    assert unwired() == 0.5
+
+    # AReaL's: no grad_scale_func (its loss function scales the main loss), no scale funcs
+    ours, groups = _chain(mg, cpu, convert=True, init_scale=2048.0)
+    config = _transformer_config(mg, None)
+    (moe, mtp), _ = _aux_iteration(mg, ours, groups, config)
+    assert (moe, mtp) == (1.0, 1.0)  # the schedule's 1
+    integration.agree_loss_scale_funcs(config, ours)
+    (moe, mtp), grads = _aux_iteration(mg, ours, groups, config)
+    assert (moe, mtp) == (2048.0, 2048.0)
+    assert grads == [true_main + true_mtp, true_moe]
+
+    again, _ = _chain(mg, cpu, convert=True, init_scale=64.0)
+    integration.agree_loss_scale_funcs(config, again)  # a new optimizer: its scale from now on
+    assert float(config.moe_grad_scale_func()) == 64.0
+    config.grad_scale_func = again.scale_loss  # nothing assigned: the schedule's fallback
+    assert config.moe_grad_scale_func is None
+    with pytest.raises(ValueError, match="takes an optimizer converted by use_shardscale"):
+        integration.agree_loss_scale_funcs(
+            _transformer_config(mg, None), _chain(mg, cpu, convert=False)[0]
+        )
+
+
+def _rank_stage_without_experts_loop_without_zero_grad(
+    rank: int, world_size: int, sources: str
+) -> Any:
+    """A pipeline stage without experts beside one with them (first-k-dense layers: rank 0
+    builds a dense sub-optimizer only, rank 1 a dense and an expert one, its expert gradients'
+    statistics reduced over itself), in a loop that never calls `optimizer.zero_grad()`: each
+    step zeroes the DDP buffers (`zero_grad_buffer()`), runs one micro-batch and steps; an inf
+    in rank 1's expert gradients at step 2, of 5. (Megatron's own chain parts here: rank 1
+    skips and returns before the norm's all-reduce that rank 0 issues, and from then on their
+    collectives pair wrongly; its loop without `zero_grad()` is shown on one rank.)"""
+    mg = setup.import_megatron(sources)
+    world = dist.group.WORLD
+    own = [dist.new_group([each]) for each in range(world_size)]  # every rank makes each group
+    runs: dict[str, Any] = {}
+    with setup.cuda_on_cpu(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in ("shardscale",):
+            groups = [setup.group([3, 2], world, own[rank], expert=False, seed=1)]
+            if rank == 1:
+                groups.append(setup.group([4], own[rank], own[rank], expert=True, seed=2))
+            optimizer = setup.optimizer(mg, groups)
+            record: dict[str, Any] = {"taken": [], "prepare": [], "scales": []}
+            if name == "shardscale":
+                mg.integration.use_shardscale(optimizer)
+                record["replicas"] = optimizer._shardscale.replicas
+            start = setup.main_params(optimizer)
+            for step in (1, 2, 3, 4, 5):
+                for each in groups:  # Megatron's DDP zero_grad_buffer(); no optimizer.zero_grad()
+                    for param in each.params:
+                        param.main_grad.zero_()
+                setup.backward(optimizer, groups, INPUTS[: len(groups)])
+                if step == 2 and rank == 1:
+                    groups[1].params[0].main_grad[0] = INF
+                with count_collectives() as counts:
+                    optimizer.prepare_grads()  # slime's order: prepare, then step
+                record["prepare"].append(dict(counts))
+                record["taken"].append(optimizer.step()[0])
+                record["scales"].append(setup.scales(optimizer))
+            end = setup.main_params(optimizer)
+            record["moved"] = [
+                [a - b for a, b in zip(old, new, strict=True)]
+                for old, new in zip(start, end, strict=True)
+            ]
+            if name == "shardscale":
+                record["steps"] = optimizer._shardscale.scaler.stats.steps
+            runs[name] = record
+    return runs
+
+
+@pytest.mark.usefixtures("mg")  # importable here, before ranks import it
+def test_stage_without_experts_and_loop_without_zero_grad_ranks_agree_and_keep_training(
+    sources: str,
+) -> None:
+    """issue 54: the replica count is agreed once, at conversion (rank 0's own chain counts 1,
+    rank 1's dense and expert sub-optimizers count two numbers: before, rank 0 put the norm in
+    its one collective and rank 1 did not, and gloo failed on the sizes); both ranks now take
+    the same branch, issue the same collectives in `prepare_grads()` and skip step 2 together.
+    Without `zero_grad()` the skip does not stick: steps 3 to 5 are taken, and the weights
+    move by the true gradients of the four taken steps."""
+    records = run_ranks(
+        _rank_stage_without_experts_loop_without_zero_grad, 2, sources, timeout_s=180
+    )
+    ours = [runs["shardscale"] for runs in records]
+    assert [o["replicas"] for o in ours] == [None, None]
+    assert ours[0]["prepare"] == ours[1]["prepare"]
+    assert ours[0]["taken"] == ours[1]["taken"] == [True, False, True, True, True]
+    assert [o["steps"] for o in ours] == [5, 5]
+    dense = [4 * g for g in TRUE_GRADS[0]]
+    assert ours[0]["moved"] == [pytest.approx(dense, abs=1e-5)]
+    assert ours[1]["moved"] == [
+        pytest.approx(dense, abs=1e-5),
+        pytest.approx([4 * g for g in TRUE_GRADS[1]], abs=1e-5),
+    ]
+    assert ours[0]["scales"] == [[1024.0]] * 5  # hysteresis 2: one overflow holds the scale
+    assert ours[1]["scales"] == [[1024.0] * 2] * 5
+
+
+def test_loop_without_zero_grad_trains_as_megatrons_own(
+    mg: SimpleNamespace, cpu: dist.ProcessGroup
+) -> None:
+    """issue 54: a loop that zeroes the DDP buffers but never calls `optimizer.zero_grad()`.
+    Megatron's own optimizer trains in it; the converted one used to return the flag of its
+    first `prepare_grads()` for ever (one overflow, then every step skipped). Now the iteration
+    ends with `step()`: the same steps are taken, and the weights move by the true gradients
+    of the five taken steps."""
+    runs = []
+    for convert in (False, True):
+        optimizer, groups = _chain(mg, cpu, convert=convert)
+        taken, scales = [], []
+        for step in range(1, 9):
+            for each in groups:
+                for param in each.params:
+                    param.main_grad.zero_()
+            setup.backward(optimizer, groups, INPUTS)
+            if step in (2, 3, 6):
+                groups[1].params[0].main_grad[0] = INF
+            taken.append(optimizer.step()[0])
+            scales.append(setup.scales(optimizer))
+        runs.append((taken, scales, setup.main_params(optimizer)))
+    (theirs, their_scales, their_params), (ours, our_scales, our_params) = runs
+    assert ours == theirs == [True, False, False, True, True, False, True, True]
+    # the scale moves as Megatron's expert scaler (the one that saw the overflows) moves
+    assert our_scales == [[expert, expert] for _, expert in their_scales]
+    assert our_scales[-1] == [256.0, 256.0]  # backed off at steps 3 and 6 (hysteresis 2)
+    assert our_params[0] == their_params[0]  # the dense weights: exact on both sides
+    start = setup.main_params(_chain(mg, cpu, convert=False)[0])[1]
+    assert [a - b for a, b in zip(start, our_params[1], strict=True)] == [5 * 3.0] * 4
+
+
+def test_precision_aware_optimizer_decoupled_grads_checked_and_unscaled_in_place(
+    mg: SimpleNamespace, cpu: dist.ProcessGroup
+) -> None:
+    """verl's fp16 setting turns on Megatron's precision-aware optimizer, whose main gradients
+    live in `decoupled_grad` (the DDP buffer; tests/megatron_setup.decoupled_optimizer says
+    what of it is a stand-in). The converted optimizer checks and unscales them in place, in
+    its one collective: the inner optimizer reads the true gradients, the norm is Megatron's
+    own (its filter reads `decoupled_grad`), and an overflow there skips with the scale held
+    for one step (hysteresis 2), as Megatron's own does. (On one rank; the collectives are
+    the converted optimizer's usual ones, the gradients' place aside.)"""
+    runs = []
+    for convert in (False, True):
+        groups = [
+            setup.group([3, 2], cpu, cpu, expert=False, seed=1),
+            setup.group([4], cpu, cpu, expert=True, seed=2),
+        ]
+        optimizer = setup.decoupled_optimizer(mg, groups)
+        if convert:
+            assert mg.integration.use_shardscale(optimizer).get_scale() == 1024.0
+        record: dict[str, Any] = {"taken": [], "norms": []}
+        before = setup.main_params(optimizer)
+        for step in (1, 2, 3):
+            setup.zero_grad(optimizer, groups)
+            setup.backward(optimizer, groups, INPUTS)
+            if step == 2:
+                groups[1].params[0].main_grad[0] = INF
+            taken, norm, _ = optimizer.step()
+            record["taken"].append(taken)
+            record["norms"].append(norm)
+            if step == 3:
+                record["grads"] = setup.decoupled_grads(optimizer)
+        record["moved"] = [
+            [a - b for a, b in zip(old, new, strict=True)]
+            for old, new in zip(before, setup.main_params(optimizer), strict=True)
+        ]
+        record["scales"] = setup.scales(optimizer)
+        runs.append(record)
+    theirs, ours = runs
+    assert ours["taken"] == theirs["taken"] == [True, False, True]
+    assert ours["grads"] == theirs["grads"] == TRUE_GRADS
+    norm = pytest.approx(math.sqrt(47))
+    assert ours["norms"] == [norm, None, norm]
+    assert theirs["norms"] == [norm, None, norm]
+    assert ours["moved"] == [[2 * g for g in grads] for grads in TRUE_GRADS]
+    assert ours["scales"] == [1024.0, 1024.0]
+
+
+def _ddp_model(mg: SimpleNamespace) -> tuple[Any, Any]:
+    """A one-layer fp16 model in megatron-core's `DistributedDataParallel` (its gradient
+    buffers in fp32, for its distributed optimizer), and its `TransformerConfig`."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    config = _transformer_config(mg, None)
+    config.fp16, config.params_dtype = True, torch.float16
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 2, bias=False).half()
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True
+    )
+    return DistributedDataParallel(config, ddp_config, layer), layer
+
+
+def _ddp_step(optimizer: Any, ddp: Any, layer: Any, value: float | None = None) -> Any:
+    """Megatron's training step on one rank: zero the buffers, a scaled backward (the DDP hook
+    adds into the fp32 buffer), optionally plant `value` in it, step."""
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    optimizer.scale_loss(layer(torch.ones(1, 4).half()).float().sum()).backward()
+    if value is not None:
+        layer.weight.main_grad.view(-1)[0] = value
+    return optimizer.step()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Megatron's fallbacks (no TE, no apex)
+def test_install_converts_each_optimizer_built_before_pretrains_checkpoint_load(
+    mg: SimpleNamespace, cpu: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Megatron-LM's `pretrain()` builds the optimizer (`get_megatron_optimizer`, imported by
+    name into `megatron.training.training`) and loads the checkpoint into it at once.
+    `install()` converts every optimizer built from then on: megatron-core's own
+    `get_megatron_optimizer`, fp16, a `DistributedOptimizer` over its DDP buffers, comes back
+    converted from both bindings, and a checkpoint of a converted one loads the scaler whole
+    into the next, as `load_checkpoint` would right after. (`megatron/training` is not in
+    megatron-core's wheel: its module here is a stand-in that binds the name as it does.)"""
+    import sys
+    import types
+
+    import megatron.core.optimizer as megatron_optimizer
+
+    original = megatron_optimizer.get_megatron_optimizer
+    for module in [m for m in sys.modules.values() if getattr(m, "__name__", "")[:8] == "megatron"]:
+        if getattr(module, "get_megatron_optimizer", None) is original:
+            monkeypatch.setattr(module, "get_megatron_optimizer", original)  # restored after
+    training = types.ModuleType("megatron.training.training")
+    training.get_megatron_optimizer = original  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, training.__name__, training)
+    mg.integration.install(init_scale=1024.0)
+    mg.integration.install(init_scale=1024.0)  # idempotent
+    with pytest.raises(ValueError, match="called already with"):
+        mg.integration.install(init_scale=8.0)
+    build = training.get_megatron_optimizer  # type: ignore[attr-defined]
+    assert build is megatron_optimizer.get_megatron_optimizer is not original
+
+    config = mg.OptimizerConfig(fp16=True, lr=0.1, optimizer="adam", use_distributed_optimizer=True)
+    mg.parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
+    try:
+        ddp, layer = _ddp_model(mg)
+        first = build(config, [ddp], use_gloo_process_groups=False)
+        assert type(first.chained_optimizers[0]).__name__ == "DistributedOptimizer"
+        scaler = mg.integration.scaler_of(first)
+        assert [_ddp_step(first, ddp, layer, v)[0] for v in (None, INF, INF, None)] == [
+            True,
+            False,
+            False,
+            True,
+        ]
+        saved = scaler.state_dict()
+        assert (saved["scale"], saved["skipped_steps"]) == (512.0, 2)
+        # the DistributedOptimizer knows its model chunks: their config is wired by the
+        # conversion itself (no grad_scale_func, as AReaL: the agreed scale; NeMo-RL's own
+        # factor assigned later: times the agreed scale)
+        model_config = ddp.config
+        assert float(model_config.moe_grad_scale_func()) == 512.0
+        model_config.mtp_grad_scale_func = lambda: 0.25
+        assert float(model_config.mtp_grad_scale_func()) == 128.0
+        ddp_again, _ = _ddp_model(mg)
+        resumed = build(config, [ddp_again], use_gloo_process_groups=False)
+        resumed.load_state_dict(first.state_dict())  # load_checkpoint, right after the build
+        assert mg.integration.scaler_of(resumed).state_dict() == saved
+    finally:
+        mg.parallel_state.destroy_model_parallel()
+    with pytest.raises(ValueError, match="takes an optimizer converted"):
+        mg.integration.scaler_of(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
+
+
+def _rank_mimo_modules_on_their_own_grids(rank: int, world_size: int, sources: str) -> Any:
+    """megatron-core's `MimoOptimizer` over two modules on disjoint grids (rank 0 runs the
+    encoder, rank 1 the language model, each module's optimizer a chain over its own rank);
+    an inf in the encoder's gradients at steps 2 and 3, of 5. Megatron's own and converted."""
+    mg = setup.import_megatron(sources)
+    from megatron.core.models.mimo.optimizer import MimoOptimizer, ModuleOptimizerInfo
+
+    own = [dist.new_group([each]) for each in range(world_size)]
+    runs: dict[str, Any] = {}
+    with setup.cuda_on_cpu(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in ("megatron", "shardscale"):
+            groups = [setup.group([3, 2], own[rank], own[rank], expert=False, seed=1 + rank)]
+            infos = {
+                module: ModuleOptimizerInfo(
+                    optimizer=setup.optimizer(mg, groups) if index == rank else None,
+                    grid=None,
+                    pg_collection=None,
+                    is_active=index == rank,
+                )
+                for index, module in enumerate(("encoder", "language"))
+            }
+            optimizer = MimoOptimizer(infos, mg.OptimizerConfig(fp16=True, lr=1.0, clip_grad=0.0))
+            if name == "shardscale":
+                mg.integration.use_shardscale(optimizer)
+            record: dict[str, Any] = {"taken": [], "scales": [], "loss_scale": []}
+            for step in (1, 2, 3, 4, 5):
+                setup.zero_grad(optimizer, groups)
+                record["loss_scale"].append(float(optimizer.get_loss_scale()))
+                setup.backward(optimizer, groups, INPUTS[:1])
+                if step in (2, 3) and rank == 0:
+                    groups[0].params[0].main_grad[0] = INF
+                record["taken"].append(optimizer.step()[0])
+                record["scales"].append(
+                    [float(optimizer._active_optimizers[0].chained_optimizers[0].grad_scaler.scale)]
+                )
+            runs[name] = record
+    return runs
+
+
+@pytest.mark.usefixtures("mg")  # importable here, before ranks import it
+def test_mimo_optimizer_one_scale_for_every_module_where_megatrons_part(sources: str) -> None:
+    """megatron-core's MIMO optimizer ORs its modules' flags over the world before it skips,
+    but each module's scaler has already moved on its own module's flag: after the encoder's
+    two overflows its scale is 512 and the language model's grows to 2048. Converted, one
+    scale moves for every module on every rank, and both ranks skip steps 2 and 3 together."""
+    records = run_ranks(_rank_mimo_modules_on_their_own_grids, 2, sources, timeout_s=180)
+    megatron = [runs["megatron"] for runs in records]
+    ours = [runs["shardscale"] for runs in records]
+    assert megatron[0]["taken"] == megatron[1]["taken"] == [True, False, False, True, True]
+    assert ours[0]["taken"] == ours[1]["taken"] == [True, False, False, True, True]
+    assert [m["scales"][-1] for m in megatron] == [[512.0], [2048.0]]
+    assert ours[0]["scales"] == ours[1]["scales"] == [[1024.0]] * 2 + [[512.0]] * 3
+    assert ours[0]["loss_scale"] == ours[1]["loss_scale"] == [1024.0] * 3 + [512.0] * 2
+
+
+def test_loss_scale_device_follows_the_loss_it_scales(
+    mg: SimpleNamespace, cpu: dist.ProcessGroup
+) -> None:
+    """The scale Megatron reads (`get_loss_scale()`, each `grad_scaler.scale`) is on the device
+    of the last loss scaled, not fixed at conversion: an optimizer converted while offloaded
+    to the CPU hands a loss on another device a scale on that device. (No CUDA here: the other
+    device is torch's `meta`, which the scaler's kernels run on too.)"""
+    ours, _ = _chain(mg, cpu, convert=True)
+    assert ours.get_loss_scale().device == torch.device("cpu")  # no CUDA, no loss yet
+    loss = ours.scale_loss(torch.ones(1, device="meta"))
+    assert loss.device == torch.device("meta")
+    assert ours.get_loss_scale().device == torch.device("meta")
+    assert ours.chained_optimizers[1].grad_scaler.scale.device == torch.device("meta")
+    ours.scale_loss(torch.ones(1))
+    assert ours.get_loss_scale().device == torch.device("cpu")

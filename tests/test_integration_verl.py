@@ -180,3 +180,163 @@ def test_verl_sequence_fsdp2_every_rank_skips_without_nan_in_one_collective(
     assert overflow["scale"] == clean["scale"] / 2
     assert after["moved"]
     assert [s["scaler_collectives"] for s in results[0]["steps"]] == [1, 1, 1]
+
+
+# verl's Megatron engine on megatron-core's own optimizers (tests/megatron_setup.py: CPU
+# tensors for Megatron's CUDA-only calls; its sources unpacked by tests/megatron_sources.py)
+
+
+def _megatron(world: Any) -> Any:
+    """megatron-core's modules, or a skip (a failure where the run requires them)."""
+    import os
+
+    from tests import megatron_setup, megatron_sources
+
+    found = megatron_sources.folder()
+    if found is None:
+        if os.environ.get(megatron_sources.REQUIRE) == "1":
+            pytest.fail(megatron_sources.missing_reason())
+        pytest.skip(megatron_sources.missing_reason())
+    return megatron_setup.import_megatron(str(found))
+
+
+def _verl_fp16_optim_config(**override: Any) -> Any:
+    from omegaconf import OmegaConf
+
+    settings = {"optimizer": "adam", "lr": 0.1, "min_lr": 0.0, "clip_grad": 0.0}
+    settings |= {"weight_decay": 0.0, "override_optimizer_config": override}
+    return OmegaConf.create(settings)
+
+
+def _engine_step(engine: Any, groups: Any, inputs: Any, value: float | None = None) -> Any:
+    """verl's train_batch around Megatron's calls: zero, one scaled micro-batch (the DDP hook's
+    accumulation), an optional planted value, verl's `optimizer_step`."""
+    from tests import megatron_setup as setup
+
+    setup.zero_grad(engine.optimizer, groups)
+    setup.backward(engine.optimizer, groups, inputs)
+    if value is not None:
+        groups[-1].params[0].main_grad[0] = value
+    return engine.optimizer_step()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Megatron's fallbacks (no TE, no apex)
+def test_verl_megatron_fp16_precision_aware_skipped_step_returns_and_training_goes_on(
+    world_of_one: Any,
+) -> None:
+    """verl's fp16 Megatron optimizer config turns the precision-aware optimizer on (its main
+    gradients in `decoupled_grad`), and verl's `MegatronEngine.optimizer_step` raises on any
+    skipped step. With `use_shardscale_megatron`, verl's own `optimizer_step` runs: a clean
+    step returns Megatron's norm, an overflow returns `inf` with the weights untouched, and the
+    next step trains. (The precision-aware sub-optimizers are tests/megatron_setup's stand-in:
+    Transformer Engine's `FusedAdam` does not run on a CPU; verl's config is built with
+    `optimizer_cpu_offload`, which skips Megatron's check that it is installed.)"""
+    import torch
+
+    from shardscale.integrations.verl import use_shardscale_megatron
+    from tests import megatron_setup as setup
+
+    mg = _megatron(world_of_one)
+    from verl.utils.megatron.optimizer import init_megatron_optim_config
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+
+    verl_config = init_megatron_optim_config(
+        _verl_fp16_optim_config(optimizer_cpu_offload=True), fp16=True, bf16=False
+    )
+    assert verl_config.fp16
+    assert verl_config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+    inputs = [[torch.ones(3), torch.full((2,), 2.0)], [torch.full((4,), 3.0)]]
+    with setup.cuda_on_cpu():
+        results = {}
+        for convert in (False, True):
+            groups = [
+                setup.group([3, 2], world_of_one, world_of_one, expert=False, seed=1),
+                setup.group([4], world_of_one, world_of_one, expert=True, seed=2),
+            ]
+            engine = MegatronEngine.__new__(MegatronEngine)  # verl's class, its optimizer_step
+            engine.optimizer, engine.module = setup.decoupled_optimizer(mg, groups), []
+            if not convert:
+                assert _engine_step(engine, groups, inputs) == pytest.approx(math.sqrt(47))
+                with pytest.raises(NotImplementedError, match="step failed"):
+                    _engine_step(engine, groups, inputs, math.inf)
+                continue
+            scaler = use_shardscale_megatron(engine, init_scale=1024.0)
+            before = setup.main_params(engine.optimizer)
+            norms = [_engine_step(engine, groups, inputs, v) for v in (None, math.inf)]
+            skipped_weights = setup.main_params(engine.optimizer)
+            norms.append(_engine_step(engine, groups, inputs))
+            results = {"norms": norms, "skipped": scaler.stats.skipped_steps}
+            results["moved"] = [
+                [a - b for a, b in zip(old, new, strict=True)]
+                for old, new in zip(before, skipped_weights, strict=True)
+            ]
+    true_norm = pytest.approx(math.sqrt(3 + 8 + 36))
+    assert results["norms"] == [true_norm, math.inf, true_norm]
+    assert results["skipped"] == 1
+    assert results["moved"] == [[1.0] * 3 + [2.0] * 2, [3.0] * 4]  # step 1 only (SGD, lr 1)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Megatron's fallbacks (no TE, no apex)
+def test_verl_install_converts_megatron_engines_optimizer_as_verl_builds_it(
+    world_of_one: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`install()` patches verl's `MegatronEngine`: its own `_build_optimizer` (verl's config,
+    megatron-core's `get_megatron_optimizer` over its DDP, verl's training hooks) returns the
+    optimizer converted, with the model config's `grad_scale_func` the converted `scale_loss`;
+    its `optimizer_step` returns `inf` on a skipped step. (verl's fp16 config without the
+    precision-aware optimizer, through verl's own override: TE's Adam is not on a CPU.)"""
+    import types
+
+    import torch
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+
+    from shardscale.integrations import verl as integration
+    from tests import megatron_setup as setup
+
+    mg = _megatron(world_of_one)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.utils import get_model_config
+
+    from shardscale.integrations.megatron import scaler_of
+
+    for cls, names in (
+        (MegatronEngine, ("_build_optimizer", "optimizer_step")),
+        (FSDPEngine, ("_build_fsdp_module", "save_checkpoint", "load_checkpoint")),
+    ):
+        for name in names:
+            monkeypatch.setattr(cls, name, getattr(cls, name))  # restored after the test
+        monkeypatch.setattr(cls, integration._PATCHED, False, raising=False)
+    integration.install()
+    with setup.cuda_on_cpu():
+        mg.parallel_state.initialize_model_parallel()
+        try:
+            config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+            config.fp16, config.params_dtype = True, torch.float16
+            torch.manual_seed(0)
+            layer = torch.nn.Linear(4, 2, bias=False).half()
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=True
+            )
+            engine = MegatronEngine.__new__(MegatronEngine)
+            engine.module = [DistributedDataParallel(config, ddp_config, layer)]
+            engine.optimizer_config = _verl_fp16_optim_config(use_precision_aware_optimizer=False)
+            engine.engine_config = types.SimpleNamespace(use_distributed_optimizer=True)
+            engine.param_dtype = torch.float16
+            engine.optimizer = engine._build_optimizer()
+            scaler = scaler_of(engine.optimizer)
+            scale_loss = get_model_config(engine.module[0]).grad_scale_func
+            assert scale_loss == engine.optimizer.scale_loss
+            norms = []
+            for value in (None, math.inf, None):
+                engine.module[0].zero_grad_buffer()
+                engine.optimizer.zero_grad()
+                scale_loss(layer(torch.ones(1, 4).half()).float().sum()).backward()
+                if value is not None:
+                    layer.weight.main_grad.view(-1)[0] = value
+                norms.append(engine.optimizer_step())
+        finally:
+            mg.parallel_state.destroy_model_parallel()
+    assert [math.isfinite(norm) for norm in norms] == [True, False, True]
+    assert (scaler.stats.steps, scaler.stats.skipped_steps) == (3, 1)

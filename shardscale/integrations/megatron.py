@@ -17,7 +17,15 @@ place (its class becomes a subclass of its own, as FSDP2's `fully_shard` does wi
   sub-optimizer's in one all-reduce over the scaler's group (the world by default), in which the
   gradient norm that `step()` and `get_grad_norm()` read travels too, where one replica count
   describes every sub-optimizer's gradients; the scale moves once;
-* a second `prepare_grads()` before `zero_grad()` does nothing and returns the same flag;
+* a second `prepare_grads()` in the same iteration does nothing and returns the same flag; the
+  iteration ends when `step()` returns, at `zero_grad()`, or when a loss is scaled again (a loop
+  without `zero_grad()` trains);
+* the replica count the norm needs is agreed once, at conversion, so that every rank takes the
+  same branch (a pipeline stage without experts has no expert sub-optimizer);
+* the precision-aware optimizer's `decoupled_grad`s and megatron-core's `MimoOptimizer` are
+  taken; `agree_loss_scale_funcs()` gives MoE and MTP losses the agreed scale times a stack's
+  own factor; `install()` converts every optimizer `get_megatron_optimizer` builds (Megatron-LM's
+  `pretrain()`);
 * each sub-optimizer's `grad_scaler` is a view of the one scaler, so Megatron's own checkpoint
   code (`state_dict()`, `sharded_state_dict()`, `load_state_dict()`) saves and restores the
   scaler, and a checkpoint saved by Megatron's own scalers resumes.
@@ -29,6 +37,8 @@ unscaled by one agreed scale.
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 import warnings
 from abc import ABC
 from collections.abc import Iterator, Mapping, Sequence
@@ -49,7 +59,14 @@ from megatron.core.optimizer.optimizer import (  # type: ignore[import-not-found
 from shardscale._errors import ShardScaleWarning
 from shardscale.scaler import ShardedGradScaler
 
-__all__ = ["STATE_KEY", "TESTED_VERSION", "use_shardscale"]
+__all__ = [
+    "STATE_KEY",
+    "TESTED_VERSION",
+    "agree_loss_scale_funcs",
+    "install",
+    "scaler_of",
+    "use_shardscale",
+]
 
 STATE_KEY = "shardscale"
 """The scaler's state dict, inside each sub-optimizer's `grad_scaler` entry of a checkpoint."""
@@ -98,6 +115,9 @@ def use_shardscale(optimizer: Any, **scaler_kwargs: Any) -> ShardedGradScaler:
     """
     leaves = _leaves(optimizer)
     settings, states = _megatron_scalers(leaves)
+    if _fits(scaler_kwargs.get("scale_policy")):  # the interval rule's: the fit moves by neither
+        settings.pop("growth_factor", None)
+        settings.pop("growth_interval", None)
     scaler = ShardedGradScaler(**{**settings, **scaler_kwargs})
     agreement = _Agreement(optimizer, leaves, scaler)
     if "init_scale" not in scaler_kwargs:
@@ -106,7 +126,139 @@ def use_shardscale(optimizer: Any, **scaler_kwargs: Any) -> ShardedGradScaler:
         leaf.grad_scaler = _AgreedScale(agreement)
     optimizer._shardscale = agreement
     optimizer.__class__ = _converted(type(optimizer))
+    for config in _model_configs(optimizer):
+        agree_loss_scale_funcs(config, optimizer)
     return scaler
+
+
+def _model_configs(optimizer: Any) -> list[Any]:
+    """The model configs the optimizer knows of (a `DistributedOptimizer`'s model chunks,
+    which a `ChainedOptimizer` collects; megatron-core's float16 optimizer keeps none)."""
+    from megatron.core.utils import get_model_config  # type: ignore[import-not-found]
+
+    configs: dict[int, Any] = {}
+    for chunk in getattr(optimizer, "model_chunks", None) or []:
+        config = get_model_config(chunk)
+        configs.setdefault(id(config), config)
+    return list(configs.values())
+
+
+def scaler_of(optimizer: Any) -> ShardedGradScaler:
+    """The scaler of an optimizer that `use_shardscale()` (or `install()`) converted.
+
+    Raises:
+        ValueError: `optimizer` was not converted.
+    """
+    if not isinstance(optimizer, _AgreedOptimizer):
+        raise ValueError(
+            "scaler_of() takes an optimizer converted by use_shardscale() or install(), got "
+            f"{type(optimizer).__qualname__}"
+        )
+    return optimizer._shardscale.scaler
+
+
+def install(**scaler_kwargs: Any) -> None:
+    """Convert every optimizer `get_megatron_optimizer` builds from now on, in this process.
+
+    The way in for Megatron-LM's `pretrain()`: its `setup_model_and_optimizer` calls
+    `get_megatron_optimizer` and loads the checkpoint into the optimizer right after, with no
+    place for a line between. Call `install()` before `pretrain(...)` (at the top of
+    `pretrain_gpt.py`, say) on every rank: the optimizer is converted as it is built, before
+    the checkpoint loads, so a converted checkpoint resumes whole. Patches
+    `megatron.core.optimizer.get_megatron_optimizer` and every imported `megatron` module's
+    binding of it (`megatron.training.training` imports it by name). Idempotent; a second call
+    with other options raises.
+
+    Args:
+        **scaler_kwargs: as `use_shardscale()` takes them, for every optimizer built.
+
+    Raises:
+        ValueError: installed already with other options.
+    """
+    import megatron.core.optimizer as megatron_optimizer  # type: ignore[import-not-found]
+
+    build = megatron_optimizer.get_megatron_optimizer
+    installed = getattr(build, _INSTALLED, None)
+    if installed is not None:
+        if installed != scaler_kwargs:
+            raise ValueError(
+                f"install() was called already with {installed!r}: one set of options per "
+                f"process, got {scaler_kwargs!r}"
+            )
+        return
+
+    @functools.wraps(build)
+    def get_megatron_optimizer(*args: Any, **kwargs: Any) -> Any:
+        optimizer = build(*args, **kwargs)
+        use_shardscale(optimizer, **scaler_kwargs)
+        return optimizer
+
+    setattr(get_megatron_optimizer, _INSTALLED, dict(scaler_kwargs))
+    for module in list(sys.modules.values()):
+        name = getattr(module, "__name__", "")
+        if name.startswith("megatron") and getattr(module, "get_megatron_optimizer", None) is build:
+            setattr(module, "get_megatron_optimizer", get_megatron_optimizer)  # noqa: B010
+
+
+_INSTALLED = "_shardscale_install"
+
+
+def agree_loss_scale_funcs(config: Any, optimizer: Any) -> None:
+    """Give MoE auxiliary and MTP losses the agreed scale times the stack's own factor.
+
+    Megatron's schedule scales them by `config.moe_grad_scale_func()` /
+    `config.mtp_grad_scale_func()` where a stack sets them, else by `config.grad_scale_func(1)`,
+    else by 1. A stack that sets them itself (NeMo-RL, each step, to its own factor) or sets no
+    `grad_scale_func` (AReaL: the schedule feeds 1) leaves those gradients without the loss
+    scale, and the one unscale makes them S times too small. After this call, `config`'s two
+    attributes read as the agreed scale times what was assigned to them, whenever and however
+    often the stack assigns them: its code stays as it is. Where nothing is assigned, they
+    read as None while `config.grad_scale_func` is set (the schedule then scales by it, as it
+    does unconverted) and as the agreed scale where it is not (AReaL).
+
+    `use_shardscale()` does this itself for the configs of the model chunks the optimizer
+    holds (the `DistributedOptimizer`'s); call it for the others (megatron-core's float16
+    optimizer keeps no model chunks). A config given another converted optimizer's scale
+    before follows this one's from now on.
+
+    Example:
+        ```python
+        optimizer = get_megatron_optimizer(OptimizerConfig(fp16=True, ...), model)
+        use_shardscale(optimizer)
+        agree_loss_scale_funcs(get_model_config(model[0]), optimizer)
+        config.moe_grad_scale_func = lambda: torch.tensor(0.5)  # the stack's: now 0.5 * scale
+        ```
+
+    Args:
+        config: the model's `TransformerConfig` (what `get_model_config(model)` returns, which
+            the schedule reads).
+        optimizer: an optimizer `use_shardscale()` converted.
+
+    Raises:
+        ValueError: the optimizer is not converted.
+    """
+    scaler_of(optimizer)  # raises where it is not converted
+    agreement = optimizer._shardscale
+    if isinstance(config, _AgreedScaleFuncs):  # its class is its own: point it at this scale
+        type(config)._agreement = agreement
+        return
+    cls = type(config)
+    config.__class__ = type(f"ShardScale{cls.__name__}", (_AgreedScaleFuncs, cls), {})
+    type(config)._agreement = agreement
+
+
+def _is_mimo(optimizer: Any) -> bool:
+    """Whether `optimizer` is megatron-core's `MimoOptimizer` (one optimizer per module of a
+    model whose modules run on grids of their own), without importing its model package."""
+    return any(
+        cls.__name__ == "MimoOptimizer" and cls.__module__ == "megatron.core.models.mimo.optimizer"
+        for cls in type(optimizer).__mro__
+    )
+
+
+def _fits(policy: Any) -> bool:
+    """Whether a `scale_policy` argument is the fit (by name, or a policy object that fits)."""
+    return policy == "fit" or getattr(policy, "fit", False) is True
 
 
 def _leaves(optimizer: Any) -> list[Any]:
@@ -121,10 +273,12 @@ def _leaves(optimizer: Any) -> list[Any]:
         leaves = list(optimizer.chained_optimizers)
     elif isinstance(optimizer, MixedPrecisionOptimizer):
         leaves = [optimizer]
+    elif _is_mimo(optimizer):  # each active module's optimizer, its sub-optimizers flattened
+        leaves = [leaf for module in optimizer._active_optimizers for leaf in _leaves(module)]
     else:
         raise TypeError(
-            "use_shardscale() takes a Megatron ChainedOptimizer or MixedPrecisionOptimizer, got "
-            f"{type(optimizer).__qualname__}"
+            "use_shardscale() takes a Megatron ChainedOptimizer, MixedPrecisionOptimizer or "
+            f"MimoOptimizer, got {type(optimizer).__qualname__}"
         )
     if not leaves:
         raise ValueError("the ChainedOptimizer holds no sub-optimizer on this rank, got []")
@@ -136,11 +290,6 @@ def _leaves(optimizer: Any) -> list[Any]:
             raise ValueError(
                 f"use_shardscale() converts fp16 optimizers (OptimizerConfig(fp16=True): every "
                 f"sub-optimizer has a grad scaler), got {name} without one (bf16?)"
-            )
-        if leaf.config.use_precision_aware_optimizer:
-            raise ValueError(
-                "the precision-aware optimizer keeps gradients in decoupled_grad, which the "
-                f"scaler does not walk: use_precision_aware_optimizer must be False, got {name}"
             )
     return leaves
 
@@ -179,14 +328,38 @@ def _integral(value: Any) -> Any:
 
 
 class _Grads:
-    """A sub-optimizer's main parameters, as the scaler walks them; stepping it does nothing
-    (Megatron's `step_with_ready_grads` steps, after its clip)."""
+    """A sub-optimizer's main gradients, as the scaler walks them (each a tensor's `.grad`);
+    stepping it does nothing (Megatron's `step_with_ready_grads` steps, after its clip).
 
-    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
-        self.param_groups = param_groups
+    The precision-aware optimizer (`use_precision_aware_optimizer`, verl's fp16 setting) keeps
+    each main gradient in `param.decoupled_grad`, a view of the DDP buffer in its own dtype,
+    because torch wants a parameter's `.grad` in the parameter's dtype: there each gradient is
+    handed to the scaler as the `.grad` of a detached alias of itself (no copy), so the scaler
+    checks and unscales the buffer in place, as Megatron's own unscale does.
+    """
+
+    def __init__(self, leaf: Any) -> None:
+        self.param_groups: list[dict[str, Any]] = leaf.param_groups
+        self.by_grad: dict[int, torch.Tensor] = {}  # a decoupled gradient's holder, by its id
+        if _decoupled(leaf):
+            holders = []
+            for group in leaf.param_groups:
+                for param in group["params"]:
+                    grad = getattr(param, "decoupled_grad", None)
+                    if grad is not None:
+                        holder = grad.detach()
+                        holder.grad = grad
+                        holders.append(holder)
+                        self.by_grad[id(grad)] = holder
+            self.param_groups = [{"params": holders}]
 
     def step(self) -> None:
         pass
+
+
+def _decoupled(leaf: Any) -> bool:
+    """Whether a sub-optimizer keeps its main gradients in `decoupled_grad` (Megatron's test)."""
+    return bool(getattr(leaf.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
 
 
 class _Chain:
@@ -212,37 +385,39 @@ class _Agreement:
     def __init__(self, root: Any, leaves: list[Any], scaler: ShardedGradScaler) -> None:
         self.scaler = scaler
         self.leaves = leaves
-        self.device = _device(leaves)
-        # None: the norm is Megatron's (a bare optimizer's clip, or replicas that differ)
-        self.replicas = _replicas(leaves, scaler) if isinstance(root, ChainedOptimizer) else None
+        self.device = _device(leaves)  # then the device of the last loss scaled
+        # None: the norm is Megatron's (a bare optimizer's clip, or replicas that differ);
+        # agreed here, once, so that every rank takes the same branch of prepare()
+        local = _replicas(leaves, scaler) if isinstance(root, ChainedOptimizer) else None
+        self.replicas = _agreed_replicas(local, scaler)
         self.found_inf: bool | None = None  # this iteration's agreed flag, once prepared
         self.norm: torch.Tensor | None = None
         self.stepped = False
+        # the iteration is over (stepped, skipped, or a new loss scaled): the next
+        # prepare_grads() starts the next one, zero_grad() or not
+        self.closed = False
         self._loading: list[Mapping[str, Any]] | None = None
 
     def prepare(self) -> bool:
         """Copy, check and unscale every sub-optimizer's gradients, agree, and move the scale:
-        once an iteration; a second call returns the same flag and touches nothing.
-
-        Raises:
-            RuntimeError: this iteration stepped already (`zero_grad()` starts the next).
+        once an iteration; a second call in the same iteration returns the same flag and
+        touches nothing. The iteration ends at `zero_grad()`, when `step()` or
+        `step_with_ready_grads()` returns, or when a loss is scaled again: a loop that never
+        calls `zero_grad()` (Megatron's own optimizer trains in one) prepares each step anew.
         """
-        if self.stepped:
-            raise RuntimeError(
-                "prepare_grads() after this iteration's step: call optimizer.zero_grad() before "
-                "the next iteration (Megatron's training loop does), so that its gradients are "
-                "prepared once"
-            )
+        if self.closed:
+            self.next_iteration()
         if self.found_inf is not None:
             return self.found_inf  # prepared: the gradients are unscaled already
         live = [leaf for leaf in self.leaves if not leaf.is_stub_optimizer]
         with torch.no_grad():
             for leaf in live:
                 leaf._copy_model_grads_to_main_grads()  # Megatron's own first half of prepare
-            chain: Any = _Chain([_Grads(leaf.param_groups) for leaf in self.leaves])
+            grads = [_Grads(leaf) for leaf in self.leaves]
+            chain: Any = _Chain(grads)
             if self.replicas is not None:  # the norm rides the flags' one collective
                 self.scaler.unscale_(chain)
-                params = list(_norm_params(live))
+                params = list(_norm_params(live, grads))
                 self.norm = self.scaler.clip_grad_norm_(
                     params, _NO_CLIP, replica_group=self.replicas
                 )
@@ -272,11 +447,25 @@ class _Agreement:
         self.stepped = True
 
     def next_iteration(self) -> None:
-        self.found_inf, self.norm, self.stepped = None, None, False
+        self.found_inf, self.norm, self.stepped, self.closed = None, None, False, False
+
+    def close(self) -> None:
+        """End the iteration where it was prepared: the next `prepare()` starts the next."""
+        if self.found_inf is not None:
+            self.closed = True
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the scale; a new loss after `prepare()` ends that iteration, and the
+        scale's reads follow the loss's device from now on."""
+        self.close()
+        self.device = loss.device
+        return self.scaler.scale(loss)
 
     def loss_scale(self) -> torch.Tensor:
         """The iteration's scale, shaped `[1]` as Megatron's, a copy (Megatron's MoE scaler
-        keeps the tensor it is first given and copies later scales into it)."""
+        keeps the tensor it is first given and copies later scales into it), on the device of
+        the last loss scaled (before any: Megatron's, the current CUDA device where there is
+        one)."""
         return self.scaler.loss_scale_tensor(self.device).reshape(1).clone()
 
     def megatron_state(self) -> dict[str, Any]:
@@ -358,13 +547,16 @@ def _from_megatron(states: Sequence[Mapping[str, Any]], current: dict[str, Any])
 
 
 def _device(leaves: list[Any]) -> torch.device:
-    """Where the main parameters live (the scale's device for Megatron's reads)."""
+    """The scale's device for Megatron's reads before a loss is scaled: where Megatron's own
+    scalers keep theirs (`device='cuda'`), else where the main parameters live. Not the main
+    parameters first: an optimizer converted while offloaded to the CPU would hand the CUDA
+    loss a CPU scale."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
     for leaf in leaves:
         for group in leaf.param_groups:
             for param in group["params"]:
                 return torch.device(param.device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
@@ -388,12 +580,33 @@ def _replicas(leaves: list[Any], scaler: ShardedGradScaler) -> int | None:
     return counts.pop() if len(counts) == 1 and 0 not in counts else None
 
 
-def _norm_params(leaves: list[Any]) -> Iterator[torch.Tensor]:
-    """The main parameters whose gradients Megatron's norm counts (its own filter)."""
+def _agreed_replicas(local: int | None, scaler: ShardedGradScaler) -> int | None:
+    """The replica count every rank of the scaler's group uses: `local` where every rank
+    found the same, else None (the norm stays Megatron's on every rank). One all-reduce, at
+    conversion: a pipeline stage without experts builds no expert sub-optimizer, so ranks'
+    own chains can count differently, and each must take the same branch of `prepare()`."""
+    if not dist.is_initialized():
+        return local
+    bounds = torch.tensor([local or 0, -(local or 0)], dtype=torch.float64)
+    if dist.get_backend(scaler.process_group) == "nccl":
+        bounds = bounds.cuda()
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=scaler.process_group)
+    most, least = int(bounds[0]), -int(bounds[1])
+    return most if most == least and most > 0 else None
+
+
+def _norm_params(leaves: list[Any], grads: list[_Grads]) -> Iterator[torch.Tensor]:
+    """The tensors whose `.grad` Megatron's norm counts (its own filter): the main parameters,
+    or the holders of the precision-aware optimizer's decoupled gradients."""
+    holders: dict[int, torch.Tensor] = {}
+    for each in grads:
+        holders.update(each.by_grad)
     for leaf in leaves:
-        counted = {id(grad) for grad in leaf.get_grads_for_grad_norm()}
+        counted = leaf.get_grads_for_grad_norm()
+        yield from (holders[id(grad)] for grad in counted if id(grad) in holders)
+        ids = {id(grad) for grad in counted}
         for param in leaf.get_parameters():
-            if param.grad is not None and id(param.grad) in counted:
+            if param.grad is not None and id(param.grad) in ids:
                 yield param
 
 
@@ -437,6 +650,44 @@ class _AgreedScale:
         self._agreement.load(state_dict)
 
 
+class _TimesAgreed:
+    """A stack's loss-scale function (or None: 1), times the agreed scale when called."""
+
+    def __init__(self, agreement: _Agreement, factor: Any) -> None:
+        self.agreement = agreement
+        self.factor = factor
+
+    def __call__(self) -> torch.Tensor:
+        scale = self.agreement.loss_scale()
+        factor = self.factor() if callable(self.factor) else self.factor
+        if factor is None:
+            return scale
+        return scale * torch.as_tensor(factor, dtype=torch.float32).to(scale.device)
+
+
+def _times_agreed(name: str) -> property:
+    """A config attribute that stores what the stack assigns and reads it times the scale."""
+
+    def get(self: Any) -> _TimesAgreed | None:
+        assigned = self.__dict__.get(name)
+        if assigned is None and getattr(self, "grad_scale_func", None) is not None:
+            return None  # the schedule falls back to grad_scale_func(1): the stack's scaling
+        return _TimesAgreed(type(self)._agreement, assigned)
+
+    def set_(self: Any, value: Any) -> None:  # a read value assigned back is not wrapped twice
+        self.__dict__[name] = value.factor if isinstance(value, _TimesAgreed) else value
+
+    return property(get, set_, doc=f"`{name}` as assigned, times the agreed loss scale.")
+
+
+class _AgreedScaleFuncs:
+    """What `agree_loss_scale_funcs()` changes in a model config (mixed in before its class)."""
+
+    _agreement: _Agreement
+    moe_grad_scale_func = _times_agreed("moe_grad_scale_func")
+    mtp_grad_scale_func = _times_agreed("mtp_grad_scale_func")
+
+
 class _AgreedOptimizer(ABC):
     """What `use_shardscale()` changes in a Megatron optimizer (mixed in before its class).
 
@@ -452,7 +703,7 @@ class _AgreedOptimizer(ABC):
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss` times the agreed scale (Megatron's `grad_scale_func`); the scaler also notes
         whether the loss is finite (a forward overflow skips with the scale held)."""
-        return self._shardscale.scaler.scale(loss)
+        return self._shardscale.scale_loss(loss)
 
     def prepare_grads(self) -> bool:
         """Check and unscale every sub-optimizer's gradients in one agreement; once a step.
@@ -470,7 +721,18 @@ class _AgreedOptimizer(ABC):
 
     def step_with_ready_grads(self) -> bool:
         self._shardscale.start_step()
-        return bool(super().step_with_ready_grads())  # type: ignore[misc]
+        try:
+            return bool(super().step_with_ready_grads())  # type: ignore[misc]
+        finally:
+            self._shardscale.close()
+
+    def step(self) -> Any:
+        """Megatron's own step (prepare, norm, clip, step); the iteration ends with it, taken
+        or skipped, so that a loop without `zero_grad()` prepares the next one anew."""
+        try:
+            return super().step()  # type: ignore[misc]
+        finally:
+            self._shardscale.close()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)  # type: ignore[misc]

@@ -20,11 +20,21 @@ Two ways in, both keeping verl's sequence and its clipping:
 
 The scaler's state is identical on every rank: rank 0 writes it as `shardscale_scaler.pt` in
 the checkpoint folder after verl's own files, and every rank reads it back.
+
+verl's Megatron engine (`MegatronEngine`) in fp16 builds Megatron's fp16 optimizer with the
+precision-aware optimizer on (`init_megatron_optim_config`), one `DynamicGradScaler` per
+sub-optimizer, and raises `NotImplementedError` from `optimizer_step` on any skipped step.
+`use_shardscale_megatron()` (one engine, after `initialize()`) and `install()` (every engine)
+convert its optimizer with `shardscale.integrations.megatron.use_shardscale` and make a step
+skipped on every rank together return as the FSDP path's does: the step is not taken and the
+norm returned is `inf`. Its checkpoints carry the scaler in Megatron's own optimizer state.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
+import math
 import os
 import warnings
 from collections.abc import Callable
@@ -36,7 +46,7 @@ import torch.distributed as dist
 from shardscale._errors import ShardScaleWarning
 from shardscale.scaler import ShardedGradScaler
 
-__all__ = ["SCALER_FILE", "install", "use_shardscale"]
+__all__ = ["SCALER_FILE", "install", "use_shardscale", "use_shardscale_megatron"]
 
 SCALER_FILE = "shardscale_scaler.pt"
 """The scaler's state in a verl checkpoint folder."""
@@ -114,14 +124,124 @@ def _optimizer_step_folding_clip(engine: Any) -> float:
     return float(grad_norm.item())
 
 
+def use_shardscale_megatron(engine: Any, **scaler_kwargs: Any) -> ShardedGradScaler:
+    """Give an initialised verl Megatron engine's fp16 optimizer one agreed scaler.
+
+    Converts `engine.optimizer` in place (`shardscale.integrations.megatron.use_shardscale`:
+    one scale for every sub-optimizer, one agreed flag, the precision-aware optimizer's
+    `decoupled_grad`s included), points every model chunk's `grad_scale_func` at the converted
+    `scale_loss`, and replaces `engine.optimizer_step` by verl's own, which returns `inf` where
+    every rank skipped the step together instead of raising.
+
+    Args:
+        engine: a verl `MegatronEngine` (`MegatronEngineWithLMHead`...), after `initialize()`,
+            in fp16 (its optimizer has Megatron's grad scalers).
+        **scaler_kwargs: as `shardscale.integrations.megatron.use_shardscale` takes them.
+
+    Returns:
+        The scaler.
+
+    Raises:
+        RuntimeError: the engine has no optimizer (not initialised, or forward only).
+        ValueError, TypeError: the optimizer is not an fp16 Megatron one (the Megatron
+            integration's refusals).
+    """
+    from shardscale.integrations import megatron
+
+    if getattr(engine, "optimizer", None) is None:
+        raise RuntimeError(
+            "use_shardscale_megatron needs an initialised verl Megatron engine with an "
+            f"optimizer: call engine.initialize() first (got {type(engine).__name__} without one)"
+        )
+    scaler = megatron.use_shardscale(engine.optimizer, **scaler_kwargs)
+    _rewire_grad_scale_func(engine)
+    engine.optimizer_step = functools.partial(
+        _optimizer_step_through_skips, engine, type(engine).optimizer_step
+    )
+    return scaler
+
+
+def _rewire_grad_scale_func(engine: Any) -> None:
+    """Every chunk's `grad_scale_func` is the converted `scale_loss` (verl set it to the
+    method before the conversion, which bypasses the scaler's check of the loss)."""
+    from megatron.core.utils import get_model_config  # type: ignore[import-not-found]
+
+    for chunk in getattr(engine, "module", None) or []:
+        get_model_config(chunk).grad_scale_func = engine.optimizer.scale_loss
+
+
+def _optimizer_step_through_skips(engine: Any, verl_step: Callable[[Any], Any]) -> Any:
+    """verl's `optimizer_step`; where it raises because the step was skipped on every rank
+    for inf/NaN gradients (verl raises on any step Megatron did not take), `inf`: the norm of
+    gradients that overflowed, as the FSDP path reports a skipped step's."""
+    from shardscale.integrations import megatron
+
+    scaler = megatron.scaler_of(engine.optimizer)
+    try:
+        return verl_step(engine)
+    except NotImplementedError:
+        if not scaler.last_step_skipped:
+            raise  # not ours: Megatron's grad_norm_skip_threshold, say
+        return math.inf
+
+
+def _install_megatron() -> None:
+    """Patch verl's `MegatronEngine` (where megatron-core imports): an fp16 engine's optimizer
+    is converted as it is built, and its skipped steps return. Where verl's Megatron engine
+    module does not import (a megatron-core or bridge verl cannot use), nothing is patched:
+    no Megatron engine can be built in this process either."""
+    try:
+        from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+    except ImportError:
+        return
+
+    if getattr(MegatronEngine, _PATCHED, False):
+        return
+    build, step = MegatronEngine._build_optimizer, MegatronEngine.optimizer_step
+
+    @functools.wraps(build)
+    def build_with_shardscale(self: Any) -> Any:
+        from shardscale.integrations import megatron
+
+        optimizer = build(self)
+        if getattr(optimizer.config, "fp16", False):
+            megatron.use_shardscale(optimizer)
+            self.optimizer = optimizer
+            _rewire_grad_scale_func(self)
+        return optimizer
+
+    @functools.wraps(step)
+    def step_through_skips(self: Any) -> Any:
+        if getattr(self.optimizer.config, "fp16", False):
+            return _optimizer_step_through_skips(self, step)
+        return step(self)
+
+    MegatronEngine._build_optimizer = build_with_shardscale
+    MegatronEngine.optimizer_step = step_through_skips
+    setattr(MegatronEngine, _PATCHED, True)
+
+
+def _megatron_importable() -> bool:
+    """Whether megatron-core can be imported here (verl's Megatron engine needs it)."""
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:  # no `megatron` package at all
+        return False
+
+
 def install() -> None:
-    """Make every verl `FSDPEngine` built from now on in this process use shardscale.
+    """Make every verl `FSDPEngine` (and, where megatron-core is installed, every
+    `MegatronEngine`) built from now on in this process use shardscale.
 
     Patches `FSDPEngine._build_fsdp_module` (an fp16 engine gets
     `ShardedGradScaler(growth_interval=400)` where verl would build torch's) and its
-    `save_checkpoint`/`load_checkpoint` (the scaler's state goes with the checkpoint).
+    `save_checkpoint`/`load_checkpoint` (the scaler's state goes with the checkpoint);
+    `MegatronEngine._build_optimizer` (an fp16 optimizer is converted as it is built) and
+    `optimizer_step` (a step skipped on every rank returns `inf` instead of raising).
     Idempotent.
     """
+    if _megatron_importable():
+        _install_megatron()
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
     if getattr(FSDPEngine, _PATCHED, False):
