@@ -29,6 +29,8 @@ from typing import Any
 import torch
 
 from shardscale._policy import (
+    FIT_MARGIN,
+    FIT_WINDOW,
     SCALE_POLICIES,
     ScalePolicy,
     ScaleState,
@@ -92,26 +94,28 @@ def _number(state_dict: Mapping[str, Any], key: str, kind: type[int] | type[floa
 
 
 def parse_state_dict(
-    state_dict: Mapping[str, Any], current: ScalePolicy, chosen: frozenset[str] = frozenset()
+    state_dict: Mapping[str, Any], current: ScalePolicy, passed: frozenset[str] = frozenset()
 ) -> tuple[ScalerState, str | None]:
     """Validate `state_dict` whole and return the state it describes, under the settings that
     win, with a line for each setting the checkpoint and the loading scaler disagree on.
 
-    Which wins: torch's keys (`growth_factor`, `backoff_factor`, `growth_interval`) are the
-    checkpoint's, as torch's scalers load them. Of shardscale's settings (`hysteresis`,
-    `min_scale`, `max_scale`, `dynamic`, `scale_policy`), those the resuming run chose (given
-    to its scaler, other than their defaults: `chosen`) stay its own, so that a run resumed to
-    lower `min_scale`, or to switch to the fit, gets what it asked for; the others are the
-    checkpoint's, so that a scaler built with defaults resumes as it was saved. The state (the
-    scale, the trackers, the counters, the fit's learned state) is the checkpoint's, brought
-    within the settings that won: a scale clamped to `[min_scale, max_scale]`, a hysteresis
-    allowance to `hysteresis`.
+    Which wins: torch's settings (`growth_factor`, `backoff_factor`, `growth_interval`) are
+    the checkpoint's, as torch's scalers load them: code written for them builds a scaler with
+    placeholder settings and counts on the load to overwrite them (torch's own
+    `test_grad_scaling_state_dict`, run against ours in `tests/test_torch_suite.py`). Of
+    shardscale's (`hysteresis`, `min_scale`, `max_scale`, `dynamic`, `scale_policy`), one passed
+    to the loading scaler's constructor (`passed`, its default's value included) stays its own,
+    so that a run resumed to change a setting, or to go back to a default, gets what it asked
+    for; one not passed is the checkpoint's, so that a scaler built with defaults (as Lightning
+    and the HF Trainer build theirs) resumes as it was saved. The state (the scale, the
+    trackers, the counters, the fit's learned state) is the checkpoint's, brought within the
+    settings that won ([`_within`][_within]).
 
     Args:
         state_dict: from `state_dict()` of this class or of a torch scaler.
         current: the loading scaler's policy.
-        chosen: the policy attributes of shardscale's settings the loading scaler was given
-            other than their defaults (`ScalerConfig.chosen`).
+        passed: the policy attributes of the settings its constructor was given
+            (`ScalerConfig.passed_policy`); torch's among them are not kept.
 
     Returns:
         The state, and a warning's message naming each setting that differed, both values and
@@ -120,7 +124,8 @@ def parse_state_dict(
     Raises:
         RuntimeError: the dict is empty (saved by a disabled scaler), as torch words it.
         ValueError: keys are missing or unknown, or a value breaks a rule (named with the value):
-            the checkpoint is checked whole, under its own settings.
+            the checkpoint is checked whole, under its own settings; or the settings that win
+            break a rule together (named with where each came from).
         TypeError: a value has the wrong type.
     """
     if not isinstance(state_dict, Mapping):
@@ -141,47 +146,104 @@ def parse_state_dict(
     growth_tracker = _number(state_dict, "_growth_tracker", int)
     scale_state = ScaleState(scale, growth_tracker, tracker, **fit_state)
     saved.check_state(scale_state)  # whole, as it was saved
-    kept = replace(current, **{k: v for k, v in policy_changes.items() if k not in chosen})
-    within = min(max(scale, kept.min_scale), kept.max_scale)
-    trackers = {"scale": within, "hysteresis_tracker": min(tracker, kept.hysteresis)}
-    state = ScalerState(kept, replace(scale_state, **trackers), _counters(state_dict))
-    message = _differences(current, saved, chosen)
-    if message is not None and within != scale:
-        message += f" The checkpoint's scale {scale:g} becomes {within:g}, within them."
+    passed = passed - set(_TORCH_SETTINGS)  # torch's: the checkpoint's, as torch loads them
+    kept, forced = _winners(current, saved, passed)
+    state = ScalerState(kept, _within(scale_state, kept), _counters(state_dict))
+    message = _differences(current, saved, kept, passed, forced)
+    if message is not None and state.scale.scale != scale:
+        message += f" The checkpoint's scale {scale:g} becomes {state.scale.scale:g}, within them."
     return state, message
 
 
-# The settings a checkpoint may disagree with the loading scaler on: torch's (the checkpoint's
-# always win), and shardscale's, by the policy's attribute and the state-dict key.
+# The settings a checkpoint may disagree with the loading scaler on, by the policy's attribute
+# and the state-dict key: torch's (the checkpoint's win), then shardscale's.
 _TORCH_SETTINGS = ("growth_factor", "backoff_factor", "growth_interval")
-_OUR_SETTINGS = {"hysteresis": "hysteresis", "min_scale": "min_scale", "max_scale": "max_scale"}
-_OUR_SETTINGS |= {"dynamic": "dynamic", "fit": "scale_policy"}
+_SETTINGS = {k: k for k in (*_TORCH_SETTINGS, "hysteresis", "min_scale", "max_scale", "dynamic")}
+_SETTINGS["fit"] = "scale_policy"
 
 
-def _differences(current: ScalePolicy, saved: ScalePolicy, chosen: frozenset[str]) -> str | None:
+def _winners(
+    current: ScalePolicy, saved: ScalePolicy, passed: frozenset[str]
+) -> tuple[ScalePolicy, dict[str, str]]:
+    """The settings that win: each one kept (`passed`), the loading scaler's; each other, the
+    checkpoint's; and why a setting was decided by another one passed.
+
+    The fit needs a moving scale. Where one of `dynamic` and `scale_policy` was passed and the
+    checkpoint's other would pair the fit with a fixed scale, the one passed decides: a scale
+    the user fixed (`dynamic=False`) is not fitted, and a fit the user asked for moves the
+    scale. (Both passed cannot pair them: the constructor refuses that.)
+
+    Raises:
+        ValueError: `max_scale` is below `min_scale`, one passed and the other the checkpoint's.
+    """
+    won = {f.name: getattr(current if f.name in passed else saved, f.name) for f in fields(current)}
+    forced = {}
+    if won["fit"] and not won["dynamic"]:
+        if "dynamic" in passed:
+            won["fit"] = False
+            forced["fit"] = "dynamic=False was passed, and the fit moves the scale"
+        else:
+            won["dynamic"] = True
+            forced["dynamic"] = "scale_policy='fit' was passed, and it moves the scale"
+    if won["max_scale"] < won["min_scale"]:
+        origin = {n: "passed" if n in passed else "the checkpoint's" for n in _SETTINGS}
+        raise ValueError(
+            f"max_scale must be >= min_scale, got max_scale={won['max_scale']} "
+            f"({origin['max_scale']}) and min_scale={won['min_scale']} ({origin['min_scale']}): "
+            "load_state_dict() keeps a setting passed to this scaler and takes the checkpoint's "
+            "for one not passed; pass both"
+        )
+    return replace(current, **won), forced
+
+
+def _within(state: ScaleState, policy: ScalePolicy) -> ScaleState:
+    """`state` brought within `policy`'s settings: the scale clamped to `[min_scale,
+    max_scale]`, the hysteresis allowance to `hysteresis`; and, where `policy` does not fit,
+    the fit's state afresh: it reads the gradients of the steps before the checkpoint, which
+    a fit switched back on later would take for today's."""
+    if not policy.fit:
+        state = replace(state, margin=FIT_MARGIN, window=(0.0,) * FIT_WINDOW, streak=0)
+    return replace(
+        state,
+        scale=min(max(state.scale, policy.min_scale), policy.max_scale),
+        hysteresis_tracker=min(state.hysteresis_tracker, policy.hysteresis),
+    )
+
+
+def _differences(
+    current: ScalePolicy,
+    saved: ScalePolicy,
+    kept: ScalePolicy,
+    passed: frozenset[str],
+    forced: dict[str, str],
+) -> str | None:
     """`load_state_dict`'s warning, where the loading scaler's settings and the checkpoint's
-    disagree: each setting, both values, and which won (None: they agree)."""
+    disagree: each setting, both values, which won and why (None: they agree)."""
     lines = []
-    for name, key in {**{k: k for k in _TORCH_SETTINGS}, **_OUR_SETTINGS}.items():
-        mine, theirs = getattr(current, name), getattr(saved, name)
+    for name, key in _SETTINGS.items():
+        mine, theirs, won = (getattr(policy, name) for policy in (current, saved, kept))
         if name == "fit":
-            mine, theirs = SCALE_POLICIES[mine], SCALE_POLICIES[theirs]
+            mine, theirs, won = SCALE_POLICIES[mine], SCALE_POLICIES[theirs], SCALE_POLICIES[won]
         if mine == theirs:
             continue
-        if name in chosen:
-            line = f"this scaler's {key}={mine!r} (its argument) is kept over the checkpoint's"
-            lines.append(f"{line} {theirs!r}")
+        if name in forced:
+            line = f"{key}={won!r} over the checkpoint's {theirs!r}: {forced[name]}"
+        elif name in passed:
+            line = f"this scaler's {key}={mine!r} (passed) is kept over the checkpoint's {theirs!r}"
         else:
-            default = "" if name in _TORCH_SETTINGS else " (its default)"
-            line = f"the checkpoint's {key}={theirs!r} replaces this scaler's {mine!r}"
-            lines.append(line + default)
+            why = "torch's setting" if name in _TORCH_SETTINGS else "not passed"
+            line = f"the checkpoint's {key}={theirs!r} replaces this scaler's {mine!r} ({why})"
+        if name == "fit" and saved.fit and not kept.fit:
+            line += " (the checkpoint's fit state, its margin and window, is dropped)"
+        lines.append(line)
     if not lines:
         return None
     return (
         "load_state_dict(): the checkpoint's settings differ from this scaler's: "
         + "; ".join(lines)
-        + ". torch's keys load as torch's scalers load them; shardscale's settings given to this "
-        "scaler stay its own, those left at their defaults are the checkpoint's "
+        + ". torch's settings are the checkpoint's, as torch's scalers load them (set them "
+        "after loading to change them); shardscale's passed to this scaler's constructor are "
+        "kept, their default's value included, and those not passed are the checkpoint's "
         "(docs/checkpoints.md)."
     )
 

@@ -10,14 +10,35 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from shardscale._errors import ShardScaleWarning
-from shardscale._policy import MIN_SCALE, ScalePolicy, check_bool, check_choice, check_int
+from shardscale._policy import ScalePolicy, check_bool, check_choice, check_int
+
+
+class _Default:
+    """The default of a setting a checkpoint also holds, as the signature shows it."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+# The constructor's default for each of `SETTINGS`: a value passed, even the default's own, is
+# then told from one left out (`ScalerConfig.passed`), so that on resume a shardscale setting
+# passed is kept and one left out is the checkpoint's.
+DEFAULT: Any = _Default()
+
+# The settings a checkpoint also holds, with the defaults `DEFAULT` stands for: the policy's
+# own, but the ceiling's (None: none) and the scale policy's, which the config names otherwise.
+SETTINGS: dict[str, Any] = {f.name: f.default for f in fields(ScalePolicy) if f.name != "fit"}
+SETTINGS |= {"max_scale": None, "scale_policy": "interval"}
 
 
 def timeout_option(name: str, value: timedelta | float | None) -> timedelta | None:
@@ -75,26 +96,31 @@ class ScalerConfig:
 
     device: str | None = None
     init_scale: float | None = None
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
+    growth_factor: float = DEFAULT
+    backoff_factor: float = DEFAULT
+    growth_interval: int = DEFAULT
     enabled: bool = True
     process_group: dist.ProcessGroup | None = None
-    hysteresis: int = 1
-    min_scale: float = MIN_SCALE
-    max_scale: float | None = None
-    dynamic: bool = True
+    hysteresis: int = DEFAULT
+    min_scale: float = DEFAULT
+    max_scale: float | None = DEFAULT
+    dynamic: bool = DEFAULT
     sync_timeout: timedelta | None = None
     verify_every: int = 0
     max_consecutive_skips: int | None = None
     max_overflows_at_floor: int | None = 8
     locate_overflow: bool = False
     max_retries: int = 3
-    scale_policy: str = "interval"
+    scale_policy: str = DEFAULT
     underflow_every: int = 100
+    passed: frozenset[str] = field(default=frozenset(), init=False)
+    """The `SETTINGS` given a value, even their default: on resume they stay this scaler's."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalised values are set once, here
+        set_(self, "passed", frozenset(n for n in SETTINGS if getattr(self, n) is not DEFAULT))
+        for name in SETTINGS.keys() - self.passed:
+            set_(self, name, SETTINGS[name])
         device = self.device  # normalised to its type
         if device is not None and not isinstance(device, (str, torch.device)):
             raise TypeError(
@@ -131,25 +157,18 @@ class ScalerConfig:
             fit=self.scale_policy == "fit",
         )
 
-    def chosen(self) -> frozenset[str]:
-        """The policy attributes of shardscale's own settings given other than their defaults:
-        on resume they stay this scaler's (`shardscale._checkpoint.parse_state_dict`)."""
-        policy, default = self.policy(), ScalerConfig().policy()
-        names = ("hysteresis", "min_scale", "max_scale", "dynamic", "fit")
-        return frozenset(n for n in names if getattr(policy, n) != getattr(default, n))
+    def passed_policy(self) -> frozenset[str]:
+        """`passed`, named as the policy's attributes (`scale_policy` is its `fit`)."""
+        return frozenset("fit" if name == "scale_policy" else name for name in self.passed)
 
     def warn_unused(self) -> None:
         """Warn where the settings that move the scale were given to a scaler whose scale they
         cannot move: the interval rule's, to one that fits; any, to one held fixed."""
-        default = ScalerConfig()  # the defaults, as the fields declare them
-        given = {name: getattr(self, name) for name in _MOVE_THE_SCALE}
-        changed = {n: value for n, value in given.items() if value != getattr(default, n)}
-        fit_ignores = {
-            k: v for k, v in changed.items() if k in ("growth_factor", "growth_interval")
-        }
+        given = {name: getattr(self, name) for name in _MOVE_THE_SCALE if name in self.passed}
+        fit_ignores = {k: v for k, v in given.items() if k in ("growth_factor", "growth_interval")}
         warn_unused_by_the_fit(self.policy(), stacklevel=4, **fit_ignores)
-        if not self.dynamic and changed:
-            named = ", ".join(f"{name}={value!r}" for name, value in changed.items())
+        if not self.dynamic and given:
+            named = ", ".join(f"{name}={value!r}" for name, value in given.items())
             warnings.warn(
                 f"{named}: not used with dynamic=False (the scale is fixed)",
                 ShardScaleWarning,

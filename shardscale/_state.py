@@ -473,6 +473,8 @@ class IterationBook:
         losses: The losses themselves (detached), to locate a forward overflow.
         fit_readings: Each backward's largest |scaled gradient| formed in fp16, where the
             iteration accumulates micro-batches (`shardscale._bins.Fp16Gradients`).
+        carried: A backward may carry `loss_scale`: a loss that requires grad was scaled, or
+            the tensor itself was handed out (`loss_scale_tensor()`).
     """
 
     step: int
@@ -483,6 +485,12 @@ class IterationBook:
     loss_nonfinite: torch.Tensor | None = None
     losses: list[torch.Tensor] = field(default_factory=list)
     fit_readings: list[torch.Tensor] = field(default_factory=list)
+    carried: bool = False
+
+    def midway(self) -> bool:
+        """Whether the iteration is under way: a backward may carry its scale, or an optimizer
+        was unscaled, clipped or stepped."""
+        return self.carried or bool(self.records) or self.clipped is not None
 
     def note_loss(self, loss: torch.Tensor, into: torch.Tensor | None) -> None:
         """Remember on the device whether `loss` is finite: two kernels (a third for a loss of

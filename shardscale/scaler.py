@@ -34,12 +34,12 @@ from torch.utils.hooks import RemovableHandle
 from shardscale import _compat
 from shardscale._check import check_clip_args
 from shardscale._checkpoint import parse_state_dict, state_numbers, to_state_dict
-from shardscale._config import ScalerConfig, warn_unused_by_the_fit
+from shardscale._config import DEFAULT, ScalerConfig, warn_unused_by_the_fit
 from shardscale._errors import ShardScaleWarning, no_scale_message
 from shardscale._exchange import Exchange, Flag, Verdict, combined
 from shardscale._grads import grads_device, move, plain_replicas
 from shardscale._locate import NonFiniteGrad
-from shardscale._policy import MIN_SCALE, ScalePolicy
+from shardscale._policy import ScalePolicy
 from shardscale._report import (
     Alarm,
     ScalerStats,
@@ -100,14 +100,22 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 ...
         ```
 
+    The settings a checkpoint also holds (`growth_factor`, `backoff_factor`, `growth_interval`,
+    `hysteresis`, `min_scale`, `max_scale`, `dynamic`, `scale_policy`) default to `<default>`,
+    which stands for the value each one's entry names: a setting passed, even at its default's
+    value, is recorded as passed. On [`load_state_dict()`][load_state_dict] shardscale's
+    settings passed stay this scaler's, and those left out take the checkpoint's; torch's
+    three are the checkpoint's, as torch's scalers load them.
+
     Args:
         device: device type of the loss (`"cuda"`, `"cpu"`, ...). None (the default) takes it from
             the first tensor passed to [`scale()`][scale], so one script runs on CPU and GPU. As
             torch does, `"cuda"` without CUDA warns and disables the scaler.
         init_scale: the first step's scale. Default `2.0**16`, or 1.0 when `dynamic=False`.
         growth_factor: multiplies the scale after `growth_interval` clean steps (> 1).
-        backoff_factor: multiplies the scale on an overflow (in (0, 1)).
-        growth_interval: consecutive clean steps before the scale grows (>= 1).
+            Default 2.0.
+        backoff_factor: multiplies the scale on an overflow (in (0, 1)). Default 0.5.
+        growth_interval: consecutive clean steps before the scale grows (>= 1). Default 2000.
         enabled: False makes every method a no-op and [`step()`][step] a plain `optimizer.step()`.
         process_group: the ranks that must agree. None: the default (world) group.
         hysteresis: overflows tolerated before backing off, replenished on growth (Megatron,
@@ -118,9 +126,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
             floor is 1.0. Reaching it warns once, saying whether the gradients hold NaN (a bug)
             or inf (beyond fp16's range at this floor); steps that overflow there are skipped
             and the scale holds, up to `max_overflows_at_floor`.
-        max_scale: the ceiling for growth. None: no ceiling.
+        max_scale: the ceiling for growth. None, the default: no ceiling.
         dynamic: False keeps the scale fixed (use `init_scale=1.0` as a bf16 guard): non-finite
-            steps are still skipped on every rank together.
+            steps are still skipped on every rank together. Default True.
         sync_timeout: the longest the host waits (a `timedelta` or seconds) for the other ranks
             at the scaler's collectives on the CPU or gloo; a rank that never arrives then raises
             [`ShardScaleDistributedError`][shardscale.ShardScaleDistributedError] naming the step.
@@ -183,22 +191,22 @@ class ShardedGradScaler(torch.amp.GradScaler):
         device: str | torch.device | None = None,
         *,
         init_scale: float | None = None,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
+        growth_factor: float = DEFAULT,
+        backoff_factor: float = DEFAULT,
+        growth_interval: int = DEFAULT,
         enabled: bool = True,
         process_group: dist.ProcessGroup | None = None,
-        hysteresis: int = 1,
-        min_scale: float = MIN_SCALE,
-        max_scale: float | None = None,
-        dynamic: bool = True,
+        hysteresis: int = DEFAULT,
+        min_scale: float = DEFAULT,
+        max_scale: float | None = DEFAULT,
+        dynamic: bool = DEFAULT,
         sync_timeout: timedelta | float | None = None,
         verify_every: int = 0,
         max_consecutive_skips: int | None = None,
         max_overflows_at_floor: int | None = 8,
         locate_overflow: bool = False,
         max_retries: int = 3,
-        scale_policy: str = "interval",
+        scale_policy: str = DEFAULT,
         underflow_every: int = 100,
     ) -> None:
         # every argument, by name: the config validates and normalises them
@@ -316,6 +324,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 f"device={device_type!r}; pass the loss's device, or leave device unset"
             )
         loss_scale = self._iteration_scale(outputs.device)
+        self._book.carried |= outputs.requires_grad
         self._book.note_loss(outputs, into=None if self._captured is None else self._captured[1])
         if self.policy.fit:  # which gradients form in fp16; each backward's, when accumulating
             self._stepper.fp16.saw_loss(outputs, self._book)
@@ -364,6 +373,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         target = torch.device(device if device is not None else where)
         if not self._enabled:
             return torch.ones((), dtype=torch.float32, device=target)
+        self._book.carried = True
         return move(self._iteration_scale(torch.device(where)), target)
 
     def _scale_iterable(self, outputs: Iterable[Any]) -> Iterable[Any]:
@@ -739,32 +749,47 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """Load a state dict of this class or of a torch scaler, whole or not at all.
 
         The state (scale, trackers, counters, the fit's learned state) is the checkpoint's.
-        Where the checkpoint's settings differ from this scaler's, torch's keys
-        (`growth_factor`, `backoff_factor`, `growth_interval`) are the checkpoint's, as torch's
-        scalers load them; of shardscale's (`hysteresis`, `min_scale`, `max_scale`, `dynamic`,
-        `scale_policy`), those this scaler was given other than their defaults stay its own (a
-        run resumed to lower `min_scale`, or switch to the fit, gets what it asked for), the
-        others are the checkpoint's (a scaler built with defaults resumes as saved); the scale
-        is brought within the settings that won. One
-        [`ShardScaleWarning`][shardscale.ShardScaleWarning] names every
-        difference, both values and which won. A torch state dict starts a full hysteresis
-        allowance and zeroes the counters; an older shardscale format starts the counters it
-        lacks at 0. No-op when disabled, as torch's.
+        Where the checkpoint's settings differ from this scaler's: torch's (`growth_factor`,
+        `backoff_factor`, `growth_interval`) are the checkpoint's, as torch's scalers load them
+        (set them after loading to change them); of shardscale's (`hysteresis`, `min_scale`,
+        `max_scale`, `dynamic`, `scale_policy`), one passed to this scaler's constructor is
+        kept, even at its default's value (a run resumed to change a setting, or to go back to
+        a default, gets what it asked for), and one not passed is the checkpoint's (a scaler
+        built with defaults resumes as saved). Where that would fit a fixed scale, the one of
+        `dynamic` and `scale_policy` that was passed decides the other. The state is brought
+        within the settings that won (the scale clamped to the floor and ceiling, the
+        hysteresis allowance to `hysteresis`; the fit's state dropped where the fit does not
+        win: it reads gradients of long ago). One
+        [`ShardScaleWarning`][shardscale.ShardScaleWarning] names every difference, both values
+        and which won. A torch state dict starts a full hysteresis allowance and zeroes the
+        counters; an older shardscale format starts the counters it lacks at 0. No-op when
+        disabled, as torch's.
 
         Raises:
-            RuntimeError: the dict is empty (saved by a disabled scaler).
+            RuntimeError: the dict is empty (saved by a disabled scaler); or the iteration is
+                under way (a loss that requires grad was scaled, or an optimizer unscaled,
+                clipped or stepped, since the last `update()`), whose gradients carry the scale
+                it began with: dividing them by a loaded one would be wrong.
             ValueError, TypeError: a key is missing or unknown, or a value breaks a rule; the
                 scaler is left unchanged.
         """
         if not self._enabled:
             return
-        state, differing = parse_state_dict(state_dict, self.policy, self._config.chosen())
+        if self._book.midway():
+            raise RuntimeError(
+                "A GradScaler state may only be loaded at the beginning of an iteration, or at "
+                "the end after scaler.update(): this iteration's gradients carry the scale it "
+                "began with, and would be unscaled by the loaded one. Call load_state_dict() "
+                "before scale(), or after update()."
+            )
+        passed = self._config.passed_policy()
+        state, differing = parse_state_dict(state_dict, self.policy, passed)
         if differing is not None:
             warnings.warn(differing, ShardScaleWarning, stacklevel=2)
         self._home.load(state)
         self._reporter.restart(state.counters)
         self._book.step = state.counters.steps + 1
-        self._book.loss_scale = None  # the next loss takes the loaded scale
+        self._book.loss_scale = None  # the next loss takes the loaded scale (none carries it)
 
     def __getstate__(self) -> dict[str, Any]:
         if self._book.records:

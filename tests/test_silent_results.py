@@ -104,9 +104,9 @@ def test_load_keeps_the_settings_this_scaler_was_given_and_says_so() -> None:
     with pytest.warns(ShardScaleWarning) as caught:
         scaler.load_state_dict(saved)
     message = str(caught[0].message)
-    assert "scale_policy='fit' (its argument) is kept over the checkpoint's 'interval'" in message
-    assert "hysteresis=2 (its argument) is kept over the checkpoint's 1" in message
-    assert "min_scale=1.0 (its argument) is kept over the checkpoint's 5.96" in message
+    assert "scale_policy='fit' (passed) is kept over the checkpoint's 'interval'" in message
+    assert "hysteresis=2 (passed) is kept over the checkpoint's 1" in message
+    assert "min_scale=1.0 (passed) is kept over the checkpoint's 5.96" in message
     state = scaler.state_dict()
     assert (state["scale_policy"], state["hysteresis"], state["min_scale"]) == ("fit", 2, 1.0)
     assert state["scale"] == saved["scale"]  # the state is the checkpoint's
