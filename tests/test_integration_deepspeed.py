@@ -20,7 +20,9 @@ pytestmark = [pytest.mark.integration]
 _ENV = {"DS_ACCELERATOR": "cpu"}
 
 
-def _engine(stage: int, clip: float, two_groups: bool, **scaler_kwargs: Any) -> tuple[Any, ...]:
+def _engine(
+    stage: int, clip: float, two_groups: bool, norm: bool = True, **scaler_kwargs: Any
+) -> tuple[Any, ...]:
     import deepspeed
 
     from shardscale.integrations.deepspeed import use_shardscale
@@ -36,7 +38,7 @@ def _engine(stage: int, clip: float, two_groups: bool, **scaler_kwargs: Any) -> 
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, **({} if norm else {"compute_grad_norm": False})},
         "gradient_clipping": clip,
         "torch_autocast": {"enabled": True, "dtype": "torch.float16"},
         "zero_allow_untested_optimizer": True,
@@ -83,13 +85,14 @@ def _train(engine: Any, scaler: Any, rank: int, steps: int, plant: int | None, s
             grads = [g for g in engine.optimizer.averaged_gradients[0] if g is not None]
             grads[0].view(-1)[0] = float("inf")
         engine.step()
+        norm = engine.get_global_grad_norm()  # a tensor or None: sent back as a float
         rows.append(
             {
                 "applied": engine.was_step_applied(),
                 "skipped_steps": engine.skipped_steps,
                 "scale": scaler.get_scale(),
                 "lr": engine.get_lr()[0],
-                "norm": float(engine.get_global_grad_norm()),
+                "norm": None if norm is None else float(norm),
             }
         )
     return rows
@@ -115,6 +118,9 @@ def _rank_cases(rank: int, world_size: int, stage: int, folder: str) -> dict[str
     engine3.load_checkpoint(folder, tag="t")
     out["resumed"] = [saved_scale, scaler3.get_scale()]
     out["resumed_params"] = _params(engine3) == out["planted_params"]
+    if stage < 3:  # DeepSpeed's own all-reduced norm off: the agreement is shardscale's alone
+        engine4, scaler4, _ = _engine(stage, 0.0, True, norm=False, init_scale=2.0**16)
+        out["no_norm"] = _train(engine4, scaler4, rank, 3, plant=1, size=1.0)
     return out
 
 
@@ -144,6 +150,11 @@ def test_deepspeed_zero_stage_agrees_skips_backs_off_clips_and_resumes(
     assert real[-1]["scale"] < 2.0**24
     assert first["resumed"] == [2.0**15, 2.0**15]
     assert first["resumed_params"]
+    if stage < 3:
+        assert first["no_norm"] == second["no_norm"]
+        no_norm = first["no_norm"]
+        assert [row["applied"] for row in no_norm] == [True, False, True]
+        assert [row["scale"] for row in no_norm] == [2.0**16, 2.0**15, 2.0**15]
 
 
 def test_deepspeed_refuses_the_stock_fp16_path() -> None:
