@@ -157,7 +157,7 @@ def test_deepspeed_zero_stage_agrees_skips_backs_off_clips_and_resumes(
         assert [row["scale"] for row in no_norm] == [2.0**16, 2.0**15, 2.0**15]
 
 
-def test_deepspeed_refuses_the_stock_fp16_path() -> None:
+def test_deepspeed_refuses_an_engine_off_the_torch_autocast_path() -> None:
     run_ranks(_rank_refused, 2, timeout_s=120, env=_ENV)
 
 
