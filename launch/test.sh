@@ -60,7 +60,7 @@ reporting() {
 
 if [[ -z "${TORCH:-}" ]]; then
     . launch/python_env.sh
-    use_python_with dev "import shardscale, pytest, xdist, pytest_timeout, hypothesis, numpy, verl, trl, lightning, torchtitan, build, triton, psutil"
+    use_python_with dev "import shardscale, pytest, xdist, pytest_timeout, hypothesis, numpy, verl, trl, lightning, torchtitan, deepspeed, build, triton, psutil"
     megatron_sources "$PYTHON"
     reporting "$PYTHON" "$@"
     exec "$PYTHON" -m pytest -n 2 ${report_args[@]+"${report_args[@]}"} "$@"

@@ -639,6 +639,29 @@ class ShardedGradScaler(torch.amp.GradScaler):
             params = optimizer_params(leaves(source))
         return self._home.for_gradients(grads_device(params)).scale
 
+    def record_overflow(self) -> None:
+        """Take an overflow that a check outside this scaler found, for the step just taken.
+
+        A framework may run a check of its own (DeepSpeed's and Megatron's all-reduced gradient
+        norm) and find an overflow this scaler's check did not see (a norm that overflows in
+        its own sum). Call this on every rank alike, with that already-agreed decision, after
+        [`step()`][step] and before [`update()`][update]: the step
+        reads as skipped (`last_step_skipped`, `stats`), and `update()` backs off as for an
+        overflow of its own. The optimizer step, if one ran, is the caller's to undo or skip.
+
+        Raises:
+            RuntimeError: no optimizer was stepped since the last update().
+        """
+        if not self._enabled:
+            return
+        verdicts = [record.verdict for record in self._book.records.values()]
+        if not any(verdict is not None for verdict in verdicts):
+            raise RuntimeError("record_overflow() must follow step(), and no step() was taken.")
+        for verdict in {id(v): v for v in verdicts if v is not None}.values():
+            verdict.flags[Flag.SKIP] = 1.0
+            verdict.read = True
+        self._last = combined(verdicts)
+
     # ------------------------------------------------------------------ what happened
 
     @property
