@@ -6,8 +6,9 @@ Two features read how large the gradients are, and ride the step's one collectiv
 * the fit (`scale_policy="fit"`): each rank's largest |scaled gradient| that fp16 had to hold,
   in one backward ([`Fp16Gradients`][]). It travels in a slot of the ballot, one per rank where
   the ballot reduces by SUM (a clip's 2-norm, the meter's counts), so that the largest survives
-  the reduction (a NaN as `NAN_MARK`); the fit then takes the power of two just above the
-  group's largest ([`power_above`][]);
+  the reduction (a NaN as an inf: fp16's overflows mostly reach the gradients as NaN, and a NaN
+  beside an inf must not hide it, nor be dropped by a MAX); the fit then takes the power of two
+  just above the group's largest ([`power_above`][]);
 * the underflow meter (every `underflow_every` steps, where [`counts_can_travel`][]): 128 slots,
   one per power of two, slot i for magnitudes in [2^(i+BIN_LOW-1), 2^(i+BIN_LOW)), 2^-64 to 2^64
   in all; each counts this rank's non-zero gradient elements in it ([`counted`][]), the counts add
@@ -46,9 +47,6 @@ _LOG_RANGE = (BIN_LOW - 1, BIN_LOW + BINS - 1)
 # The slots below UNDERFLOW_BELOW: 0 .. _BELOW - 1.
 _BELOW = int(math.log2(UNDERFLOW_BELOW)) - BIN_LOW + 1
 Groups = tuple[GradGroups | NormGroups, ...]
-# A NaN peak, as it travels in the fit's slot: float32's largest value, which a MAX keeps (a NaN
-# it may drop, by the backend's order of operands) and an inf beats (an overflow outranks a NaN).
-NAN_MARK = float(torch.finfo(torch.float32).max)
 
 
 def _logs(values: torch.Tensor, scale: torch.Tensor | float | None) -> torch.Tensor:

@@ -134,9 +134,6 @@ class Verdict:
             where none was finite and non-zero), where the fit's peaks travelled
             (`shardscale._bins`).
         counts: The group's non-zero |scaled gradient| elements by bin (float32; the meter's steps).
-        nan: Where the fit's peaks travelled: whether the group's largest was a NaN (bool
-            scalar; some rank's read gradients held a NaN, and no rank's an inf): a bug's
-            signature, not evidence of fp16's range.
     """
 
     flags: torch.Tensor
@@ -144,7 +141,6 @@ class Verdict:
     read: bool | None = None
     peak: torch.Tensor | None = None
     counts: torch.Tensor | None = None
-    nan: torch.Tensor | None = None
 
     @property
     def found_inf(self) -> torch.Tensor:
@@ -162,7 +158,7 @@ class Verdict:
 def combined(verdicts: Iterable[Verdict | None]) -> Verdict | None:
     """One verdict for several (of several optimizers, agreements, leaves of a container): the
     one they share (the usual case), else a new one whose flags are the largest of theirs (not
-    read on the host yet), peaks the largest, counts added up, NaN marks or-ed; None where
+    read on the host yet), peaks the largest, counts added up; None where
     none is given."""
     distinct: list[Verdict] = []
     for verdict in verdicts:
@@ -174,8 +170,6 @@ def combined(verdicts: Iterable[Verdict | None]) -> Verdict | None:
     verdict = Verdict(torch.stack([move(v.flags, device) for v in distinct]).amax(0))
     peaks = [move(v.peak, device) for v in distinct if v.peak is not None]
     verdict.peak = torch.stack(peaks).amax() if peaks else None
-    nans = [move(v.nan, device) for v in distinct if v.nan is not None]
-    verdict.nan = torch.stack(nans).any() if nans else None
     counts = [move(v.counts, device) for v in distinct if v.counts is not None]
     verdict.counts = torch.stack(counts).sum(0) if counts else None
     return verdict

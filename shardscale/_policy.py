@@ -36,9 +36,8 @@ The fit, `scale_policy="fit"`, in its place (a forward overflow moves nothing he
 # above it; the window: the last 16 steps, newest first
 window = [0 if found_inf else seen] + window[:-1]
 if found_inf:
-    if max(old window) > 0 and not nan:            # the window said this scale was safe:
+    if max(old window) > 0:                        # the window said this scale was safe:
         margin = min(margin + 1, FIT_MAX_MARGIN)   # learn: the backward needs more room
-                                                   # (not from a NaN: a bug's signature)
     if hysteresis_tracker > 1:
         hysteresis_tracker -= 1
     else:                                          # 1, 2, 4, 8, then 16 halvings at a time
@@ -53,8 +52,11 @@ else:
 The recent gradients, scaled, then stay below `2**(16 - margin)`; `2**16` is just above fp16's
 largest value (65504). The margin starts at 1 (a bit below the largest scale the gradients it
 reads allow) and is learned: the weights' gradients are the last tensors of the backward, and
-the activations' gradients before them may overflow first (a NaN teaches nothing). It never
-shrinks by itself: a probe would cost the skipped step the policy is there to avoid.
+the activations' gradients before them may overflow first. An overflow that reaches the
+gradients as NaN (an inf in the backward, then inf - inf in the next matmul: what fp16 usually
+shows) teaches as an inf does; a bug is told from an overflow by persistence, not by NaN: a
+gradient still non-finite at the floor is the scaler's alarm (`max_overflows_at_floor`). The
+margin never shrinks by itself: a probe would cost the skipped step the policy is there to avoid.
 Consecutive overflows back off faster and faster (a start far too high is left in a few
 skipped steps, not one per halving):
 overshooting costs nothing, because the next clean step sets the scale from the gradients. The
@@ -286,7 +288,6 @@ class ScalePolicy:
         found_inf: bool,
         forward: bool = False,
         seen: float = 0.0,
-        nan: bool = False,
     ) -> ScaleState:
         """Return the state after one step; the definition of both rules (see the module), the
         reference the device maths ([`update_()`][update_]) is tested against.
@@ -297,14 +298,11 @@ class ScalePolicy:
                 step was skipped and nothing moves, whatever `found_inf` says.
             seen: the fit's bound of the step's largest unscaled gradient: the power of two just
                 above it (0: no non-zero gradient). Ignored by the interval rule.
-            nan: the overflow the fit read was a NaN (no inf): a bug's signature, not evidence
-                of fp16's range, so the fit's margin does not widen for it. Ignored by the
-                interval rule.
         """
         if not self.dynamic or forward:
             return state
         if self.fit:
-            return self._next_fit(state, found_inf, seen, nan)
+            return self._next_fit(state, found_inf, seen)
         scale, growth, hysteresis = state.scale, state.growth_tracker, state.hysteresis_tracker
         if found_inf:
             growth = 0
@@ -322,7 +320,7 @@ class ScalePolicy:
                     scale = min(grown, _f32(self.max_scale))
         return replace(state, scale=scale, growth_tracker=growth, hysteresis_tracker=hysteresis)
 
-    def _next_fit(self, state: ScaleState, found_inf: bool, seen: float, nan: bool) -> ScaleState:
+    def _next_fit(self, state: ScaleState, found_inf: bool, seen: float) -> ScaleState:
         """`next()` under the fit (the module's second rule)."""
         window = (0.0 if found_inf else seen, *state.window[:-1])
         if not found_inf:
@@ -333,7 +331,7 @@ class ScalePolicy:
             return replace(
                 state, scale=scale, hysteresis_tracker=self.hysteresis, window=window, streak=0
             )
-        margin = min(state.margin + (max(state.window) > 0 and not nan), FIT_MAX_MARGIN)
+        margin = min(state.margin + (max(state.window) > 0), FIT_MAX_MARGIN)
         scale, hysteresis = state.scale, state.hysteresis_tracker
         if hysteresis > 1:
             hysteresis -= 1
@@ -406,7 +404,6 @@ class ScalePolicy:
         fit: torch.Tensor,
         flags: torch.Tensor,
         seen: torch.Tensor,
-        nan: torch.Tensor,
     ) -> None:
         """Apply the fit's [`next()`][next] in place, on the device, without a host sync.
 
@@ -418,7 +415,6 @@ class ScalePolicy:
             flags: the agreed float32 `[skip, forward overflow]`, each 0.0 or 1.0.
             seen: float32 scalar, the step's largest unscaled gradient bound (0 where none;
                 anything, inf included, on an overflow step, where it is not read).
-            nan: bool scalar, the overflow the fit read was a NaN: the margin holds.
         """
         margin, streak, window = fit[0], fit[1], fit[2:]
         overflow, moves = flags[0] - flags[1], flags[1] == 0  # a gradient overflow; not forward
@@ -440,7 +436,7 @@ class ScalePolicy:
         kept = torch.where(clean & (widest > 0), fitted, scale)
         moved = torch.where(overflow > 0, backed, kept)
         torch.where(moves, moved, scale, out=scale)
-        learned = (window.amax() > 0).gt(nan)  # the window said this scale was safe; no NaN
+        learned = window.amax() > 0  # the window said this scale was safe
         widened = (margin + overflow * learned).clamp_(max=FIT_MAX_MARGIN)
         streaked = (streak + 1).clamp_(max=FIT_MAX_STREAK) * overflow
         new_fit = torch.cat((widened.reshape(1), streaked.reshape(1), shifted))

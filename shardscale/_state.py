@@ -271,9 +271,8 @@ class DeviceState:
             self.scale.copy_(manual)
         elif policy.fit:  # the fit's bound, by the scale the gradients carried
             peak = verdict.peak if verdict.peak is not None else self.scale.new_zeros(())
-            nan = verdict.nan if verdict.nan is not None else torch.zeros((), dtype=torch.bool)
             seen = peak / self.scale
-            policy.fit_(self.scale, self.hysteresis_tracker, self.fit, flags, seen, nan)
+            policy.fit_(self.scale, self.hysteresis_tracker, self.fit, flags, seen)
         elif clean:
             policy.update_(self.scale, *trackers, flags[Flag.SKIP], clean=True)
         else:  # a gradient overflow backs off; a forward one holds

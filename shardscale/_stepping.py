@@ -34,7 +34,7 @@ from typing import Any, TypeAlias, cast
 
 import torch
 
-from shardscale._bins import NAN_MARK, Fp16Gradients, counted, counts_can_travel, power_above
+from shardscale._bins import Fp16Gradients, counted, counts_can_travel, power_above
 from shardscale._check import Flags, Kernels, exact_norm_check
 from shardscale._config import ScalerConfig
 from shardscale._errors import ShardScaleWarning
@@ -447,7 +447,6 @@ class Stepper:
         if ballot.peaks is not None:  # now the group's: the largest slot's, the only one of a MAX
             largest = ballot.peaks[0] if len(ballot.peaks) == 1 else ballot.peaks.amax()
             verdict.peak = move(power_above(largest), ballot.device)
-            verdict.nan = move(largest == NAN_MARK, ballot.device)
         if ballot.bins is not None:
             verdict.counts = move(ballot.bins, ballot.device)
         if not ballot.has_scale:  # the group confirmed that some rank scaled
@@ -489,13 +488,13 @@ def _fill_readings(ballot: Ballot, readings: list[Reading | None]) -> None:
     an inf-norm clip's, where the meter waits for the next of its steps)."""
     peaks = [r[0] for r in readings if r is not None and r[0] is not None]
     slot = ballot.peak_slot
-    if slot is not None and peaks:  # a NaN travels as NAN_MARK: it survives a MAX
+    if slot is not None and peaks:  # a NaN counts as an inf: an overflow, and survives a MAX
         largest = (
             peaks[0]
             if len(peaks) == 1
             else torch.stack([move(p, slot.device) for p in peaks]).amax()
         )
-        torch.nan_to_num(move(largest, slot.device), nan=NAN_MARK, posinf=math.inf, out=slot)
+        torch.nan_to_num(move(largest, slot.device), nan=math.inf, posinf=math.inf, out=slot)
     counts = [r[1] for r in readings if r is not None and r[1] is not None]
     if ballot.bins is not None and counts:
         torch.sum(torch.stack([move(c, ballot.bins.device) for c in counts]), 0, out=ballot.bins)
