@@ -112,13 +112,17 @@ def counted(groups: Groups, device: torch.device, scale: torch.Tensor | None) ->
 def peak(groups: Groups, device: torch.device, scale: torch.Tensor | None) -> torch.Tensor | None:
     """The fit's reading of `groups`: their largest |gradient| (times `scale`, for gradients
     unscaled already), a float32 scalar on `device` (non-finite where one is); None without a
-    gradient. One read pass: a kernel per (device, dtype) group, and two more."""
+    gradient element (an empty shard holds none, and its inf-norm would raise: it reads as
+    nothing, and the rank still joins the collective). One read pass: a kernel per (device,
+    dtype) group, and two more."""
     norms = []
     for group in groups:
         for grads in group.values():
-            norms += [
-                move(norm, device) for norm in foreach_norm(grads, math.inf, dtype=torch.float32)
-            ]
+            held = [grad for grad in grads if grad.numel()]
+            if held:
+                norms += [
+                    move(norm, device) for norm in foreach_norm(held, math.inf, dtype=torch.float32)
+                ]
     if not norms:
         return None
     largest = torch.stack(norms).amax()
@@ -242,7 +246,8 @@ class Fp16Gradients:
         wanted = len(self._losses) >= 2 or self._foreign
         if readings is not None and wanted and not grad.is_sparse:
             values = local_tensor(grad) if isinstance(grad, DTensor) else grad
-            readings.append(torch.linalg.vector_norm(values, math.inf, dtype=torch.float32))
+            if values.numel():  # an empty shard's inf-norm raises; it holds nothing to read
+                readings.append(torch.linalg.vector_norm(values, math.inf, dtype=torch.float32))
 
 
 def _read_backward(reader: weakref.ref[Fp16Gradients], grad: torch.Tensor) -> None:

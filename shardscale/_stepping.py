@@ -284,7 +284,9 @@ class Stepper:
             to_check, checked_has_elements = self._walk.groups(checked)
             counting = self._counting(book, device, None)
             has_scale = not self.home.unconfirmed
-            has_elements = has_elements or checked_has_elements
+            # a partial clip's agreement counted its gradients' elements: ours include them
+            clipped = any(record.clipped is not None for record in (*unscale, *check))
+            has_elements = has_elements or checked_has_elements or clipped
             ballot = self._ballot(book, device, has_elements, has_scale, None, counting)
             inv = self.kernels.inverse(scale) if unscale else None
             flags = {ballot.skip.device: ballot.skip}

@@ -144,7 +144,10 @@ def _model_configs(optimizer: Any) -> list[Any]:
 
 
 def scaler_of(optimizer: Any) -> ShardedGradScaler:
-    """The scaler of an optimizer that `use_shardscale()` (or `install()`) converted.
+    """The scaler of an optimizer converted to shardscale's agreement.
+
+    See [`use_shardscale()`][shardscale.integrations.megatron.use_shardscale] and
+    [`install()`][shardscale.integrations.megatron.install].
 
     Raises:
         ValueError: `optimizer` was not converted.
@@ -162,7 +165,7 @@ def install(**scaler_kwargs: Any) -> None:
 
     The way in for Megatron-LM's `pretrain()`: its `setup_model_and_optimizer` calls
     `get_megatron_optimizer` and loads the checkpoint into the optimizer right after, with no
-    place for a line between. Call `install()` before `pretrain(...)` (at the top of
+    place for a line between. Call this before `pretrain(...)` (at the top of
     `pretrain_gpt.py`, say) on every rank: the optimizer is converted as it is built, before
     the checkpoint loads, so a converted checkpoint resumes whole. Patches
     `megatron.core.optimizer.get_megatron_optimizer` and every imported `megatron` module's
@@ -170,7 +173,9 @@ def install(**scaler_kwargs: Any) -> None:
     with other options raises.
 
     Args:
-        **scaler_kwargs: as `use_shardscale()` takes them, for every optimizer built.
+        **scaler_kwargs: as
+            [`use_shardscale()`][shardscale.integrations.megatron.use_shardscale]
+            takes them, for every optimizer built.
 
     Raises:
         ValueError: installed already with other options.
@@ -216,9 +221,10 @@ def agree_loss_scale_funcs(config: Any, optimizer: Any) -> None:
     read as None while `config.grad_scale_func` is set (the schedule then scales by it, as it
     does unconverted) and as the agreed scale where it is not (AReaL).
 
-    `use_shardscale()` does this itself for the configs of the model chunks the optimizer
-    holds (the `DistributedOptimizer`'s); call it for the others (megatron-core's float16
-    optimizer keeps no model chunks). A config given another converted optimizer's scale
+    [`use_shardscale()`][shardscale.integrations.megatron.use_shardscale]
+    does this itself for the configs of the model chunks the optimizer holds (the
+    `DistributedOptimizer`'s); call it for the others (megatron-core's float16 optimizer keeps
+    no model chunks). A config given another converted optimizer's scale
     before follows this one's from now on.
 
     Example:
@@ -232,7 +238,9 @@ def agree_loss_scale_funcs(config: Any, optimizer: Any) -> None:
     Args:
         config: the model's `TransformerConfig` (what `get_model_config(model)` returns, which
             the schedule reads).
-        optimizer: an optimizer `use_shardscale()` converted.
+        optimizer: an optimizer that
+            [`use_shardscale()`][shardscale.integrations.megatron.use_shardscale]
+            converted.
 
     Raises:
         ValueError: the optimizer is not converted.

@@ -127,7 +127,7 @@ def _optimizer_step_folding_clip(engine: Any) -> float:
 def use_shardscale_megatron(engine: Any, **scaler_kwargs: Any) -> ShardedGradScaler:
     """Give an initialised verl Megatron engine's fp16 optimizer one agreed scaler.
 
-    Converts `engine.optimizer` in place (`shardscale.integrations.megatron.use_shardscale`:
+    Converts `engine.optimizer` in place ([`shardscale.integrations.megatron.use_shardscale`][]:
     one scale for every sub-optimizer, one agreed flag, the precision-aware optimizer's
     `decoupled_grad`s included), points every model chunk's `grad_scale_func` at the converted
     `scale_loss`, and replaces `engine.optimizer_step` by verl's own, which returns `inf` where
@@ -136,7 +136,7 @@ def use_shardscale_megatron(engine: Any, **scaler_kwargs: Any) -> ShardedGradSca
     Args:
         engine: a verl `MegatronEngine` (`MegatronEngineWithLMHead`...), after `initialize()`,
             in fp16 (its optimizer has Megatron's grad scalers).
-        **scaler_kwargs: as `shardscale.integrations.megatron.use_shardscale` takes them.
+        **scaler_kwargs: as [`shardscale.integrations.megatron.use_shardscale`][] takes them.
 
     Returns:
         The scaler.

@@ -1,5 +1,6 @@
-"""Importing this module runs [`verl.install()`][install]: every verl FSDP engine
-built in this process then uses shardscale's scaler and checkpoints it.
+"""Importing this module runs [`verl.install()`][install]: every verl FSDP engine (and,
+where megatron-core is installed, every Megatron engine) built in this process then uses
+shardscale's scaler and checkpoints it.
 
 It exists to be named where verl imports modules for you, in every process (Ray workers too):
 
