@@ -54,6 +54,36 @@ def _clip_before_scale() -> None:
     ShardedGradScaler().clip_grad_norm_(nn.Linear(2, 1).parameters(), 1.0)
 
 
+def _scaled() -> tuple[ShardedGradScaler, torch.optim.Optimizer]:
+    """A scaler and an optimizer after one scaled backward, ready for unscale_/step."""
+    scaler, model = ShardedGradScaler(), nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    return scaler, optimizer
+
+
+def _twice(first: str, second: str) -> Callable[[], None]:
+    """`first` then `second` on the same optimizer, in one iteration."""
+
+    def call() -> None:
+        scaler, optimizer = _scaled()
+        getattr(scaler, first)(optimizer)
+        getattr(scaler, second)(optimizer)
+
+    return call
+
+
+def _update_alone() -> None:
+    scaler, _ = _scaled()
+    scaler.update()
+
+
+def _step_before_scale() -> None:
+    model = nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    ShardedGradScaler().step(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 # The quote's start (its row's error text) -> a call that raises it.
 TRIGGERS: dict[str, Callable[[], object]] = {
     "device must name": lambda: ShardedGradScaler("gpu"),
@@ -63,7 +93,28 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "process_group must be": lambda: ShardedGradScaler(process_group="world"),  # type: ignore[arg-type]
     "verify_every must be": lambda: ShardedGradScaler(verify_every=-1),
     "max_retries must be": lambda: ShardedGradScaler(max_retries=-1),
+    "init_scale must be": lambda: ShardedGradScaler(init_scale=-1.0),
+    "growth_interval must be >= 1": lambda: ShardedGradScaler(growth_interval=0),
+    "growth_interval must be an int": lambda: ShardedGradScaler(growth_interval=2.0),  # type: ignore[arg-type]
+    "min_scale must be": lambda: ShardedGradScaler(min_scale=1e-50),
+    "max_scale must be": lambda: ShardedGradScaler(max_scale=1e-9),
+    "enabled must be": lambda: ShardedGradScaler(enabled=1),  # type: ignore[arg-type]
+    "sync_timeout must be": lambda: ShardedGradScaler(sync_timeout=0.0),
+    "max_consecutive_skips must be": lambda: ShardedGradScaler(max_consecutive_skips=0),
+    "locate_overflow must be": lambda: ShardedGradScaler(locate_overflow=1),  # type: ignore[arg-type]
+    "scale_policy must be": lambda: ShardedGradScaler(scale_policy="amax"),  # type: ignore[arg-type]
+    "TypeError: scale() takes a Tensor": lambda: ShardedGradScaler().scale("loss"),  # type: ignore[arg-type]
+    "TypeError: scale() takes floating-point": lambda: ShardedGradScaler().scale(
+        torch.ones(1, dtype=torch.int64)
+    ),
     "ValueError: state_dict['format_version']": _load(format_version=99),
+    "ValueError: state_dict['scale'] must be finite": _load(scale=float("nan")),
+    "TypeError: state_dict must be a mapping": lambda: ShardedGradScaler().load_state_dict([]),  # type: ignore[arg-type]
+    "RuntimeError: Attempted step but _scale is None": _step_before_scale,
+    "RuntimeError: unscale_() has already been called": _twice("unscale_", "unscale_"),
+    "RuntimeError: unscale_() is being called after step()": _twice("step", "unscale_"),
+    "RuntimeError: step() has already been called": _twice("step", "step"),
+    "RuntimeError: No inf checks were recorded prior to update.": _update_alone,
     "ValueError: state_dict has unknown key(s)": _load(extra=1),
     "TypeError: state_dict['scale'] must be a float": _load(scale="8"),
     "RuntimeError: Attempted clip_grad_norm_": _clip_before_scale,
