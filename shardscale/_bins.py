@@ -96,9 +96,9 @@ def meter_reading(counts: torch.Tensor, scale: torch.Tensor, step: torch.Tensor)
 def counted(groups: Groups, device: torch.device, scale: torch.Tensor | None) -> torch.Tensor:
     """The meter's bins of `groups` (times `scale`, for gradients unscaled already): how many
     non-zero elements fall in each slot (zeros, inf, NaN and magnitudes beyond the range in
-    none), float32 on `device`. Three kernels per tensor (abs, log2, `histc`; a fourth casts
-    fp16/bf16 to float32, a fifth multiplies by `scale`), a temporary of one tensor's size at a
-    time, no host read."""
+    none), float32 on `device`. Four kernels per tensor (abs, log2, `histc`, the add into the
+    bins; a fifth casts fp16/bf16 to float32, another multiplies by `scale`), a temporary of one
+    tensor's size at a time, no host read."""
     bins = torch.zeros(BINS, dtype=torch.float32, device=device)
     for group in groups:
         for grads in group.values():

@@ -128,6 +128,10 @@ class AsyncShardedGradScaler(ShardedGradScaler):
         ```
 
     Args:
+        device: device type of the loss, as for [`ShardedGradScaler`][] (None, the default:
+            taken from the first tensor passed to [`scale()`][scale]). The optimizer thread's
+            `unscale_()` and `step()` run under the scale's device, whichever device that
+            thread has current (docs/async.md).
         step_timeout: the longest wait (`timedelta` or seconds) of `scale()`,
             `state_dict()` and friends for an iteration's step to agree its flag. Default 600 s.
         flag_backend: the backend of the scaler's own process group. `"gloo"`, the default:

@@ -177,9 +177,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
             of the non-zero gradient elements whose scaled magnitude is below 2^-14: subnormal
             in fp16, or flushed to zero) and `underflow_scale` (the lowest scale at which at most
             0.1% would be), counted over every rank in the step's one collective, and logged
-            (INFO) where above 0.1%. Three kernels per gradient tensor on those steps, no host
-            read (docs/observability.md, "How much of the gradient underflows"). 0: never.
-            Default 100.
+            (INFO) where above 0.1%. Four kernels per gradient tensor on those steps (five for
+            fp16/bf16 ones, cast to float32 first), no host read (docs/observability.md, "How
+            much of the gradient underflows"). 0: never. Default 100.
 
     Raises:
         TypeError: an argument has the wrong type.

@@ -5,9 +5,11 @@
 Every ``--segment`` steps the run switches to a random gradient kind (plain, DDP, FSDP1 flat,
 FSDP1 with original parameters, FSDP2) and optimizer flavour (for-loop, foreach, fused), drawn
 from a seed every rank shares. At each step it plants, with probability ``--overflow-rate``,
-an inf, a -inf or a NaN in one element of one random rank's gradient shard. The scale is held at
-1.0 (``growth_interval`` out of reach), so no step overflows by itself: every rank must skip
-exactly the planted steps, and take every other.
+an inf, a -inf or a NaN in one element of one random rank's gradient shard. The scale starts at
+1.0 and never grows (``growth_interval`` out of reach); each planted overflow halves it, down to
+the floor (``min_scale``, 2^-24, after 24 of them; the floor warning then follows each planted
+overflow), so no step overflows by itself: every rank must skip exactly the planted steps, and
+take every other.
 
 Every ``--check-every`` steps: ``verify_agreement()``, and a digest of the full parameters and
 the optimizer step counters compared across ranks. Reported: steps, planted overflows, skipped
