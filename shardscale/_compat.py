@@ -30,6 +30,7 @@ from shardscale._errors import ShardScaleWarning
 from shardscale._exchange import combined
 from shardscale._grads import GradWalk
 from shardscale._state import IterationBook, OptimizerRecord, optimizer_params
+from shardscale._stepping import leaves
 
 # torch's FutureWarning, word for word, for optimizers whose step() takes `grad_scaler`.
 GRAD_SCALER_WARNING = (
@@ -151,6 +152,64 @@ def unscale_grads(
                 flags[device] = found_inf.to(device=device, copy=True)
         Kernels().check_(groups, inv_scale, flags)
     return {device: flags[device] for device, _dtype in groups}
+
+
+def get_scale_async(scaler: Any) -> torch.Tensor | None:
+    """torch's `_get_scale_async`: the scale tensor without a sync (frameworks read it)."""
+    return None if scaler._home.device is None else scaler._home.device.scale
+
+
+def get_growth_tracker(scaler: Any) -> int:
+    """torch's `_get_growth_tracker`: the tracker as an int (one host read once on a device)."""
+    return scaler._home.read().scale.growth_tracker if scaler._enabled else 0
+
+
+def found_inf_per_device(scaler: Any, optimizer: Any) -> dict[str, Any]:
+    """torch's `_found_inf_per_device`: `optimizer`'s flag as `{device: flag}`, the agreed one
+    after `step()`; between `unscale_()` and `step()` this rank's own, with a warning (as
+    `_per_optimizer_states`); empty if not checked yet. (Annotated as torch annotates it; the
+    keys are devices.)
+    """
+    book = scaler._book
+    records = [book.records[id(leaf)] for leaf in leaves(optimizer) if id(leaf) in book.records]
+    return flags_of(records)
+
+
+def check_inf_per_device(scaler: Any, optimizer: Any) -> dict[str, Any]:
+    """torch's `_check_inf_per_device`: check `optimizer`'s gradients (not unscaling them) and
+    agree, in one collective.
+
+    torch's optimizers of the `grad_scaler=` protocol call it from their `step()`; the flag it
+    returns, and records for `update()`, is the group's, alike on every rank.
+
+    Raises:
+        RuntimeError: no `scale()` yet on a rank alone (torch's words), or disabled.
+    """
+    if not scaler._enabled:
+        raise RuntimeError("_check_inf_per_device() was called on a disabled scaler")
+    scale = scaler._loss_scale("_check_inf_per_device", optimizer)
+    records = [scaler._book.record(leaf) for leaf in leaves(optimizer)]
+    scaler._stepper.agree(scaler._book, scale, "_check_inf_per_device", check=records)
+    return found_inf_per_device(scaler, optimizer)
+
+
+def check_scale_growth_tracker(scaler: Any, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's `_check_scale_growth_tracker`: the scale and growth tracker tensors; torch's
+    words if `scale()` never ran.
+
+    Raises:
+        RuntimeError: no state on a device yet (torch raises AssertionError, same words).
+    """
+    state = scaler._home.require(funcname)
+    return state.scale, state.growth_tracker
+
+
+def lazy_init_scale_growth_tracker(scaler: Any, dev: str | torch.device) -> None:
+    """torch's `_lazy_init_scale_growth_tracker`: put the state on `dev` now rather than at the
+    first `scale()` (accelerate calls it after loading a state dict for FSDP2). A no-op once
+    there."""
+    if scaler._enabled and scaler._home.device is None:
+        scaler._home.at(torch.device(dev))  # "cuda": the tensors land on the current GPU
 
 
 def maybe_opt_step(

@@ -876,57 +876,18 @@ class ShardedGradScaler(torch.amp.GradScaler):
     _init_scale = _compat.start_value("scale")
     _init_growth_tracker = _compat.start_value("growth_tracker")
 
-    def _get_scale_async(self) -> torch.Tensor | None:
-        """The scale tensor without a sync (torch's private accessor, used by frameworks)."""
-        return None if self._home.device is None else self._home.device.scale
-
-    def _get_growth_tracker(self) -> int:
-        """The growth tracker as an int (one host read once the state is on a device)."""
-        return self._home.read().scale.growth_tracker if self._enabled else 0
-
-    def _found_inf_per_device(self, optimizer: OptimizerTarget) -> dict[str, Any]:
-        """`optimizer`'s flag as `{device: flag}`: the agreed one after `step()`; between
-        `unscale_()` and `step()` this rank's own, with a warning (as `_per_optimizer_states`);
-        empty if not checked yet. (Annotated as torch annotates it; the keys are devices.)
-        """
-        book = self._book
-        records = [book.records[id(leaf)] for leaf in leaves(optimizer) if id(leaf) in book.records]
-        return _compat.flags_of(records)
-
-    def _check_inf_per_device(self, optimizer: OptimizerTarget) -> dict[str, Any]:
-        """Check `optimizer`'s gradients (not unscaling them) and agree: one collective.
-
-        torch's optimizers of the `grad_scaler=` protocol call it from their `step()`; the
-        flag it returns, and records for `update()`, is the group's, alike on every rank.
-
-        Raises:
-            RuntimeError: no `scale()` yet on a rank alone (torch's words), or disabled.
-        """
-        if not self._enabled:
-            raise RuntimeError("_check_inf_per_device() was called on a disabled scaler")
-        scale = self._loss_scale("_check_inf_per_device", optimizer)
-        records = [self._book.record(leaf) for leaf in leaves(optimizer)]
-        self._stepper.agree(self._book, scale, "_check_inf_per_device", check=records)
-        return self._found_inf_per_device(optimizer)
+    # torch's private accessors and checks, answered in `_compat` from the agreed state
+    _get_scale_async = _compat.get_scale_async
+    _get_growth_tracker = _compat.get_growth_tracker
+    _found_inf_per_device = _compat.found_inf_per_device
+    _check_inf_per_device = _compat.check_inf_per_device
 
     # torch's local unscale-and-check, on our gradient walk (`allow_fp16` defaults to True, as
     # in torch's ShardedGradScaler): a method of ours, written in `_compat`
     _unscale_grads_ = _compat.unscale_grads
 
-    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The scale and growth tracker tensors; torch's words if `scale()` never ran.
-
-        Raises:
-            RuntimeError: no state on a device yet (torch raises AssertionError, same words).
-        """
-        state = self._home.require(funcname)
-        return state.scale, state.growth_tracker
-
-    def _lazy_init_scale_growth_tracker(self, dev: str | torch.device) -> None:
-        """Put the state on `dev` now rather than at the first `scale()` (torch's private
-        hook: accelerate calls it after loading a state dict for FSDP2). A no-op once there."""
-        if self._enabled and self._home.device is None:
-            self._home.at(torch.device(dev))  # "cuda": the tensors land on the current GPU
+    _check_scale_growth_tracker = _compat.check_scale_growth_tracker
+    _lazy_init_scale_growth_tracker = _compat.lazy_init_scale_growth_tracker
 
     # torch's helper, the step body of scalers written on torch.amp (`unscale_`, then this):
     # here `step()` itself, so the group's agreement decides on every rank (_compat)

@@ -212,7 +212,9 @@ def _namespace(block: Block, rank: int, world_size: int, folder: str) -> dict[st
         names.update(_async_names(names["model"]))
     if not re.search(r"^\s*(import|from)\s", block.code, re.MULTILINE):
         names.update(torch=torch, nn=nn, shardscale=shardscale, ShardedGradScaler=ShardedGradScaler)
-    if not re.search(r"\bscale\(", block.code):  # the block continues an iteration
+    # a block without scale() continues an iteration; one that loads a state starts between
+    # iterations (a load mid-iteration is refused)
+    if not re.search(r"\bscale\(|\bload\(|load_state_dict\(", block.code):
         names["scaler"].scale(
             _loss_fn(names["model"](names["inputs"]), names["targets"])
         ).backward()
