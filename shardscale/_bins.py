@@ -31,7 +31,9 @@ import weakref
 from typing import Any
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
 from shardscale._errors import ShardScaleWarning
 from shardscale._grads import GradGroups, GradWalk, NormGroups, move
@@ -137,11 +139,17 @@ def power_above(value: torch.Tensor) -> torch.Tensor:
 _THROUGH = re.compile(
     r"(Unsafe)?(View|Reshape|ReshapeAlias|AsStrided|Alias|Slice|Select|Narrow|T|Transpose|Permute"
     r"|Expand|Squeeze|Unsqueeze|Split|SplitWithSizes|Unbind|Cat|Stack|Clone|Flatten|Unflatten)"
-    r"Backward\d|BackwardHookFunctionBackward"
+    r"Backward\d"
+    # torch's own autograd Functions that hand a gradient on unchanged in precision: module
+    # hooks, DTensor's to_local()/from_local() and redistribution, DDP's and FSDP2's markers
+    r"|(BackwardHookFunction|_ToTorchTensor|_FromTorchTensor|Redistribute|NestedRedistribute"
+    r"|_DDPSink|RegisterPreBackwardFunction|RegisterPostBackwardFunction)Backward"
 )
 # autocast's cast of a parameter (and any `.to`): its gradient formed in the cast's dtype
 _CAST = "ToCopyBackward0"
-# a backward that cannot be looked into (torch.compile's, AOTAutograd's)
+# a backward that cannot be looked into: torch.compile's (AOTAutograd's), and any other
+# autograd Function written in Python (one that casts inside: Transformer Engine's, apex's,
+# `custom_fwd(cast_inputs=torch.float16)`; reentrant checkpointing's recompute)
 _OPAQUE = "CompiledFunctionBackward"
 # where a gradient formed, the weakest first: a leaf reached along several paths takes the last
 _FORMED = ("fp32", _OPAQUE, "fp16")
@@ -155,10 +163,12 @@ class Fp16Gradients:
     embedding's, a gain's form in fp32 and cannot overflow fp16's range. So at the first loss
     the scaler sees, the autograd graph is walked once: a leaf reached through a cast, or of
     dtype float16 (a model in fp16, FSDP2's `param_dtype`), forms its gradient in fp16; one
-    reached only through other ops forms it in fp32 and is not read; one behind a backward that
-    cannot be looked into (torch.compile's) is read, with a warning, once (the safe side).
-    A parameter the walk never met is read; where nothing forms in fp16 (no autocast, no fp16
-    parameter), there is nothing to tell apart, and every gradient is read.
+    reached only through torch's own ops forms it in fp32 and is not read; one behind a backward
+    that cannot be looked into (torch.compile's, an autograd Function written in Python, which
+    may cast inside) is read, with a warning, once (the safe side). A parameter the walk never
+    met (an expert routed later, one inside reentrant checkpointing) is read from its `.grad`,
+    also under accumulation (the sum: the safe side); where nothing forms in fp16 (no autocast,
+    no fp16 parameter), there is nothing to tell apart, and every gradient is read.
 
     With one backward an iteration the fit reads `.grad` at the step (one pass, as before).
     Accumulated micro-batches make `.grad` up to K times any one backward's fp16 tensor, so from
@@ -182,6 +192,16 @@ class Fp16Gradients:
         self._foreign: bool | None = None
         self._readings: list[torch.Tensor] | None = None  # this iteration's, once it accumulates
         self._losses: list[torch.Tensor] = []
+        # the hooks on the parameters are the reader's: removed with it, or when the fit stops
+        self._hooks: list[RemovableHandle] = []
+        weakref.finalize(self, _remove, self._hooks)
+
+    def close(self) -> None:
+        """Forget the graph and remove the hooks (the fit no longer runs: a load switched the
+        policy); a fit that runs again walks the next loss's graph afresh."""
+        _remove(self._hooks)
+        self.fp32_formed, self._leaf_ids, self._leaves = frozenset(), frozenset(), []
+        self._looked, self._foreign, self._readings, self._losses = False, None, None, []
 
     def saw_loss(self, loss: torch.Tensor, book: Any) -> None:
         """`scale()` took `loss`, the latest of the iteration `book`'s losses; per-backward
@@ -221,6 +241,10 @@ class Fp16Gradients:
         if not readings or largest is None:
             return largest
         each = torch.stack([move(reading, device) for reading in readings]).amax()
+        unmet = [param for param in params if id(param) not in self._leaf_ids]
+        if unmet and not self._foreign:  # not in the first graph: no hook, so read the `.grad`
+            late = peak((GradWalk().groups(unmet)[0],), device, scale)
+            each = each if late is None else torch.maximum(each, late)
         return torch.where(torch.isfinite(largest), each, largest)
 
     def _look(self, loss: torch.Tensor) -> None:
@@ -233,7 +257,8 @@ class Fp16Gradients:
         self._leaf_ids = frozenset(map(id, [*fp16, *fp32]))
         for leaf in fp16:
             self._leaves.append(weakref.ref(leaf))
-            leaf.register_hook(functools.partial(_read_backward, weakref.ref(self)))  # type: ignore[no-untyped-call]
+            hook = functools.partial(_read_backward, weakref.ref(self))
+            self._hooks.append(leaf.register_hook(hook))  # type: ignore[no-untyped-call]
         if opaque:
             warnings.warn(_OPAQUE_WARNING.format(count=opaque), ShardScaleWarning, stacklevel=4)
 
@@ -248,6 +273,12 @@ class Fp16Gradients:
                 readings.append(torch.linalg.vector_norm(values, math.inf, dtype=torch.float32))
 
 
+def _remove(hooks: list[RemovableHandle]) -> None:
+    for hook in hooks:
+        hook.remove()
+    hooks.clear()
+
+
 def _read_backward(reader: weakref.ref[Fp16Gradients], grad: torch.Tensor) -> None:
     """A leaf's hook: hands its gradient to the reader, while it lives."""
     alive = reader()
@@ -257,8 +288,9 @@ def _read_backward(reader: weakref.ref[Fp16Gradients], grad: torch.Tensor) -> No
 
 _OPAQUE_WARNING = (
     "scale_policy='fit' cannot tell how {count} parameter(s) form their gradients: their "
-    "backward is opaque (torch.compile's). It reads them all, as if formed in fp16: the safe "
-    "side (where some form in fp32 it holds a lower scale than it needs). Said once"
+    "backward is opaque (torch.compile's, or an autograd Function's written in Python, which "
+    "may cast inside). It reads them all, as if formed in fp16: the safe side (where some "
+    "form in fp32 it holds a lower scale than it needs). Said once"
 )
 
 
@@ -275,7 +307,8 @@ def _leaves_by_precision(root: Any) -> tuple[list[torch.Tensor], list[torch.Tens
     while stack:
         node, handed = stack.pop()
         name = type(node).__name__
-        here = "fp16" if name == _CAST else _OPAQUE if name.startswith(_OPAQUE) else "fp32"
+        opaque = name.startswith(_OPAQUE) or isinstance(node, BackwardCFunction)
+        here = "fp16" if name == _CAST else _OPAQUE if opaque else "fp32"
         here = handed if _THROUGH.fullmatch(name) else here
         for child, _ in node.next_functions:
             if child is None or (child, here) in seen:

@@ -810,6 +810,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if differing is not None:
             warnings.warn(differing, ShardScaleWarning, stacklevel=2)
         self._home.load(state)
+        if not self.policy.fit:  # a fit switched off takes its reader's hooks with it
+            self._stepper.fp16.close()
         self._reporter.restart(state.counters)
         self._book.step = state.counters.steps + 1
         self._book.loss_scale = None  # the next loss takes the loaded scale (none carries it)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -160,3 +161,46 @@ def test_fsdp1_unsharded_flat_parameter_clips(world_of_one: dist.ProcessGroup) -
     scaler.scale(model(torch.ones(4, 3)).sum()).backward()
     expected = torch.linalg.vector_norm(next(model.parameters()).grad / 8.0).item()  # type: ignore[operator]
     assert scaler.clip_grad_norm_(model.parameters(), 1e9).item() == pytest.approx(expected)
+
+
+def _node_names(root: Any) -> set[str]:
+    names, stack, seen = set(), [root], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(child for child, _ in node.next_functions)
+    return names
+
+
+def test_the_node_names_the_fit_s_reader_relies_on(world_of_one: dist.ProcessGroup) -> None:
+    """shardscale/_bins.py tells where a gradient formed by autograd nodes' names: autocast's
+    cast, and the nodes that hand a gradient on unchanged (views, module hooks, DTensor's
+    to_local/from_local). Built here on this torch: a renamed node fails this test, not a run
+    that quietly reads too little (an unknown name is read: the safe side)."""
+    from shardscale._bins import _CAST, _THROUGH
+
+    mesh = init_device_mesh("cpu", (1,))
+    linear = nn.Linear(4, 4)
+    linear.register_full_backward_hook(lambda *args: None)
+    weight = DTensor.from_local(torch.ones(4, 4, requires_grad=True), mesh, [Replicate()])
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = linear(torch.ones(2, 4, requires_grad=True)).view(8).t()
+        out = out.sum() + (weight.to_local() @ torch.ones(4)).sum()
+    names = _node_names(out.grad_fn)
+    assert _CAST in names
+    assert {"ViewBackward0", "BackwardHookFunctionBackward", "_ToTorchTensorBackward"} <= names
+    assert "_FromTorchTensorBackward" in _node_names(weight.grad_fn)
+    for through in ("ViewBackward0", "BackwardHookFunctionBackward", "_ToTorchTensorBackward"):
+        assert _THROUGH.fullmatch(through), through
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group, _fsdp_state
+    from torch.nn.parallel import distributed
+
+    for marker in (
+        distributed._DDPSink,
+        _fsdp_param_group.RegisterPostBackwardFunction,
+        _fsdp_state.RegisterPreBackwardFunction,
+    ):
+        assert _THROUGH.fullmatch(f"{marker.__name__}Backward"), marker
