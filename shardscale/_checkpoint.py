@@ -29,8 +29,6 @@ from typing import Any
 import torch
 
 from shardscale._policy import (
-    FIT_MARGIN,
-    FIT_WINDOW,
     SCALE_POLICIES,
     ScalePolicy,
     ScaleState,
@@ -201,8 +199,8 @@ def _within(state: ScaleState, policy: ScalePolicy) -> ScaleState:
     max_scale]`, the hysteresis allowance to `hysteresis`; and, where `policy` does not fit,
     the fit's state afresh: it reads the gradients of the steps before the checkpoint, which
     a fit switched back on later would take for today's."""
-    if not policy.fit:
-        state = replace(state, margin=FIT_MARGIN, window=(0.0,) * FIT_WINDOW, streak=0)
+    if not policy.fit:  # the fit's fields at ScaleState's own start
+        state = ScaleState(state.scale, state.growth_tracker, state.hysteresis_tracker)
     return replace(
         state,
         scale=min(max(state.scale, policy.min_scale), policy.max_scale),
