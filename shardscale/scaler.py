@@ -843,7 +843,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
     @_compat.torch_view("update(new_scale=...) or load_state_dict()")
     def _scale(self) -> torch.Tensor | None:
         """The live scale tensor (None before the first `scale()`): in-place writes set it."""
-        return None if self._home.device is None else self._home.device.scale
+        return _compat.get_scale_async(self)
 
     @_compat.torch_view("load_state_dict()")
     def _growth_tracker(self) -> torch.Tensor | None:
