@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +18,47 @@ from tests.harness import run_ranks
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (shardscale[deepspeed])")
 
-pytestmark = [pytest.mark.integration]
+# The timeout covers a first run's one-off build of DeepSpeed's CPU op (below) besides the ranks.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 _ENV = {"DS_ACCELERATOR": "cpu"}
+
+_BUILD_SHM_OP = """
+from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+ShareMemCommBuilder().load(verbose=False)
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def deepspeed_cpu_op_built() -> None:
+    """Build DeepSpeed's shared-memory collective once, before any rank runs.
+
+    With ``DS_ACCELERATOR=cpu``, every process that makes DeepSpeed's process group loads
+    ``deepspeed_shm_comm``, compiling it (C++, ninja) into torch's extension cache the first time:
+    ~65 s on 2 idle cores, several minutes beside other tests. Inside the ranks that build ate
+    their 240 s on a fresh machine, and a rank killed mid-build leaves torch's build lock behind,
+    on which every later process waits. Built here, in a process of its own that is never killed,
+    the ranks only load it; a build that fails or never ends is reported as such.
+    """
+    try:
+        built = subprocess.run(
+            [sys.executable, "-c", _BUILD_SHM_OP],
+            env={**os.environ, **_ENV},
+            capture_output=True,
+            text=True,
+            timeout=800,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(
+            "DeepSpeed's CPU op deepspeed_shm_comm did not build within 800 s: a build lock left "
+            "by a killed build makes the build wait for ever (torch's extension cache, "
+            "TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions: remove deepspeed_shm_comm/lock)"
+        )
+    if built.returncode != 0:
+        pytest.fail(
+            "DeepSpeed's CPU op deepspeed_shm_comm did not build (it needs a C++ compiler and "
+            f"ninja):\n{built.stderr[-3000:]}"
+        )
 
 
 def _engine(
