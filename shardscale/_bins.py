@@ -144,6 +144,10 @@ _THROUGH = re.compile(
     # hooks, DTensor's to_local()/from_local() and redistribution, DDP's and FSDP2's markers
     r"|(BackwardHookFunction|_ToTorchTensor|_FromTorchTensor|Redistribute|NestedRedistribute"
     r"|_DDPSink|RegisterPreBackwardFunction|RegisterPostBackwardFunction)Backward"
+    # weight_norm's reparametrization (w = g v / |v|, both APIs): g's and v's gradients are the
+    # weight's, projected and rescaled, of its magnitude: they stand for the fp16 one the cast
+    # formed, which no leaf holds
+    r"|WeightNormInterfaceBackward\d"
 )
 # autocast's cast of a parameter (and any `.to`): its gradient formed in the cast's dtype
 _CAST = "ToCopyBackward0"

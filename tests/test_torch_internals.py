@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.nn.utils.parametrizations import weight_norm
 
 from shardscale import ShardedGradScaler, _torch
 from shardscale._torch import (
@@ -178,8 +179,9 @@ def _node_names(root: Any) -> set[str]:
 def test_the_node_names_the_fit_s_reader_relies_on(world_of_one: dist.ProcessGroup) -> None:
     """shardscale/_bins.py tells where a gradient formed by autograd nodes' names: autocast's
     cast, and the nodes that hand a gradient on unchanged (views, module hooks, DTensor's
-    to_local/from_local). Built here on this torch: a renamed node fails this test, not a run
-    that quietly reads too little (an unknown name is read: the safe side)."""
+    to_local/from_local, weight_norm's reparametrization). Built here on this torch: a renamed
+    node fails this test, not a run that quietly reads too little (a node of torch's own whose
+    name the reader does not know is taken for an fp32 op, its leaves not read)."""
     from shardscale._bins import _CAST, _THROUGH
 
     mesh = init_device_mesh("cpu", (1,))
@@ -193,7 +195,16 @@ def test_the_node_names_the_fit_s_reader_relies_on(world_of_one: dist.ProcessGro
     assert _CAST in names
     assert {"ViewBackward0", "BackwardHookFunctionBackward", "_ToTorchTensorBackward"} <= names
     assert "_FromTorchTensorBackward" in _node_names(weight.grad_fn)
-    for through in ("ViewBackward0", "BackwardHookFunctionBackward", "_ToTorchTensorBackward"):
+    normed = weight_norm(nn.Linear(4, 4))
+    with torch.autocast("cpu", dtype=torch.float16):
+        reparametrized = _node_names(normed(torch.ones(2, 4)).sum().grad_fn)
+    assert "WeightNormInterfaceBackward0" in reparametrized
+    for through in (
+        "ViewBackward0",
+        "BackwardHookFunctionBackward",
+        "_ToTorchTensorBackward",
+        "WeightNormInterfaceBackward0",
+    ):
         assert _THROUGH.fullmatch(through), through
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group, _fsdp_state
     from torch.nn.parallel import distributed
