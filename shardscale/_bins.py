@@ -164,15 +164,17 @@ class Fp16Gradients:
 
     Under fp16 autocast a Linear's weight and bias are cast to fp16, so their gradients form in
     fp16 (and reach the fp32 `.grad` through the cast's backward, unchanged); a LayerNorm's, an
-    embedding's, a gain's form in fp32 and cannot overflow fp16's range. So at the first loss
-    the scaler sees, the autograd graph is walked once: a leaf reached through a cast, or of
+    embedding's, a gain's form in fp32 and cannot overflow fp16's range. So the losses of the
+    first iteration are walked, each once: a leaf reached through a cast, or of
     dtype float16 (a model in fp16, FSDP2's `param_dtype`), forms its gradient in fp16; one
     reached only through torch's own ops forms it in fp32 and is not read; one behind a backward
     that cannot be looked into (torch.compile's, an autograd Function written in Python, which
-    may cast inside) is read, with a warning, once (the safe side). A parameter the walk never
-    met (an expert routed later, one inside reentrant checkpointing) is read from its `.grad`,
-    also under accumulation (the sum: the safe side); where nothing forms in fp16 (no autocast,
-    no fp16 parameter), there is nothing to tell apart, and every gradient is read.
+    may cast inside) is read, with a warning, once (the safe side). A step that holds gradients
+    of leaves no walk met (an expert routed later, a layer unfrozen, one inside reentrant
+    checkpointing) reads them from `.grad`, also under accumulation (the sum: the safe side;
+    under FSDP2, where they cannot be told apart, the sharded `.grad` is read whole), and the
+    next iteration's losses are walked again; where nothing forms in fp16 (no autocast, no fp16
+    parameter), there is nothing to tell apart, and every gradient is read.
 
     With one backward an iteration the fit reads `.grad` at the step (one pass, as before).
     Accumulated micro-batches make `.grad` up to K times any one backward's fp16 tensor, so from
@@ -188,9 +190,13 @@ class Fp16Gradients:
     def __init__(self) -> None:
         self.fp32_formed: frozenset[int] = frozenset()
         """The ids of the leaves whose gradients form in fp32: not read."""
-        self._looked = False
         self._leaves: list[weakref.ref[torch.Tensor]] = []  # the fp16-formed ones
-        self._leaf_ids: frozenset[int] = frozenset()  # every leaf's
+        self._leaf_ids: set[int] = set()  # every leaf's the walks met
+        # whether this iteration's losses are walked, and the next one's; how many gradients a
+        # step held that no walk met, when a walk was last asked for (a gradient no graph
+        # shows, one written by hand, asks once)
+        self._walking, self._walk_next, self._unmet_asked = False, True, 0
+        self._opaque_said = False  # the opaque backwards' warning: said once
         # whether the graph's leaves are others than the optimizer's parameters (FSDP2's
         # unsharded ones): then every backward is read as it arrives (None: not known yet)
         self._foreign: bool | None = None
@@ -204,16 +210,18 @@ class Fp16Gradients:
         """Forget the graph and remove the hooks (the fit no longer runs: a load switched the
         policy); a fit that runs again walks the next loss's graph afresh."""
         _remove(self._hooks)
-        self.fp32_formed, self._leaf_ids, self._leaves = frozenset(), frozenset(), []
-        self._looked, self._foreign, self._readings, self._losses = False, None, None, []
+        self.fp32_formed, self._leaf_ids, self._leaves = frozenset(), set(), []
+        self._walking, self._walk_next, self._unmet_asked = False, True, 0
+        self._foreign, self._readings, self._losses = None, None, []
 
     def saw_loss(self, loss: torch.Tensor, book: Any) -> None:
         """`scale()` took `loss`, the latest of the iteration `book`'s losses; per-backward
         readings of this iteration go to `book.fit_readings`."""
-        if not self._looked and loss.grad_fn is not None:  # the first loss with a graph
-            self._looked = True
-            self._look(loss)
         losses, readings = book.losses, book.fit_readings
+        if len(losses) == 1:  # an iteration's first loss
+            self._walking, self._walk_next = self._walk_next, False
+        if self._walking and loss.grad_fn is not None:
+            self._look(loss)
         self._losses, self._readings = losses, readings
         if len(losses) == 2:  # the first backward is over: its gradients are .grad now
             leaves = [leaf for ref in self._leaves if (leaf := ref()) is not None]
@@ -242,28 +250,45 @@ class Fp16Gradients:
             groups = (GradWalk().groups(kept)[0],)
         readings = book.fit_readings
         largest = peak(groups, device, scale)
+        unmet = self._unmet(params)
         if not readings or largest is None:
             return largest
         each = torch.stack([move(reading, device) for reading in readings]).amax()
-        unmet = [param for param in params if id(param) not in self._leaf_ids]
-        if unmet and not self._foreign:  # not in the first graph: no hook, so read the `.grad`
-            late = peak((GradWalk().groups(unmet)[0],), device, scale)
+        if unmet:  # no walk met them, so no hook read them: their `.grad`
+            late = largest if self._foreign else peak((GradWalk().groups(unmet)[0],), device, scale)
             each = each if late is None else torch.maximum(each, late)
         return torch.where(torch.isfinite(largest), each, largest)
 
+    def _unmet(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Those of `params` holding a gradient that no walk met (under FSDP2, whose leaves are
+        others, all of them where there are more such gradients than leaves met); the next
+        iteration's losses are walked when there are more of them than when it was last asked."""
+        held = [param for param in params if param.grad is not None]
+        unmet = [param for param in held if id(param) not in self._leaf_ids]
+        if self._foreign:
+            unmet = held if len(held) > len(self._leaf_ids) else []
+        if len(unmet) > self._unmet_asked:
+            self._walk_next, self._unmet_asked = True, len(unmet)
+        return unmet
+
     def _look(self, loss: torch.Tensor) -> None:
-        """Walk `loss`'s graph once: which leaves form their gradient in fp32 (not read), and a
-        hook on each of the others, for the backwards of accumulated micro-batches."""
+        """Walk `loss`'s graph: which leaves no walk met before form their gradient in fp32
+        (not read), and a hook on each of the others, for the backwards of accumulated
+        micro-batches (a leaf taken for fp32 before and reached through a cast now joins them)."""
         fp16, fp32, opaque = _leaves_by_precision(loss.grad_fn)
         if not fp16:  # nothing forms in fp16 (no autocast, no fp16 leaf): nothing to tell apart
             fp16, fp32 = fp32, []
-        self.fp32_formed = frozenset(map(id, fp32))
-        self._leaf_ids = frozenset(map(id, [*fp16, *fp32]))
+        known = set(self._leaf_ids)
+        fp16 = [leaf for leaf in fp16 if id(leaf) not in known or id(leaf) in self.fp32_formed]
+        self.fp32_formed = self.fp32_formed | {id(leaf) for leaf in fp32 if id(leaf) not in known}
+        self.fp32_formed -= {id(leaf) for leaf in fp16}
+        self._leaf_ids.update(map(id, [*fp16, *fp32]))
         for leaf in fp16:
             self._leaves.append(weakref.ref(leaf))
             hook = functools.partial(_read_backward, weakref.ref(self))
             self._hooks.append(leaf.register_hook(hook))  # type: ignore[no-untyped-call]
-        if opaque:
+        if opaque and not self._opaque_said:
+            self._opaque_said = True
             warnings.warn(_OPAQUE_WARNING.format(count=opaque), ShardScaleWarning, stacklevel=4)
 
     def on_backward(self, grad: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ from torch.nn.utils.parametrizations import weight_norm
 from torch.utils.checkpoint import checkpoint
 
 from shardscale import ShardedGradScaler, ShardScaleWarning
+from tests.harness import run_ranks
 
 
 class _GeluMLP(nn.Module):
@@ -260,3 +261,36 @@ def test_a_gan_with_one_scaler_skips_as_the_interval_rule_does() -> None:
     fit, interval = _gan_skips("fit"), _gan_skips("interval")
     assert interval >= 1, "fp16 made no overflow: the test is void"
     assert fit <= interval + 1, (fit, interval)
+
+
+def _ranks_expert_routed_later_fsdp2(rank: int, world_size: int, policy: str) -> int:
+    """`_Shaped("moe")` under FSDP2 (the graph's leaves are its unsharded parameters, not the
+    optimizer's), one backward a step, the expert routed from step 3 on (on every rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _Shaped("moe")
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = ShardedGradScaler(scale_policy=policy)
+    skips = 0
+    for step in range(20):
+        optimizer.zero_grad()
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+        scaler.scale(model(x, int(step >= 3)).pow(2).mean()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        skips += bool(scaler.last_step_skipped)
+    return skips
+
+
+def test_fit_under_fsdp2_reads_an_expert_routed_later() -> None:
+    """The first walk never met the expert's unsharded parameter, so no hook read it: the fit
+    took its gradient for absent and skipped 13 of 20 (the interval rule 7). A step holding
+    gradients no walk met now reads the sharded `.grad` whole and has the next iteration's
+    losses walked again, which hooks the expert: 4."""
+    fit = run_ranks(_ranks_expert_routed_later_fsdp2, 2, "fit")
+    interval = run_ranks(_ranks_expert_routed_later_fsdp2, 2, "interval")
+    assert fit[0] == fit[1], fit
+    assert interval[0] == interval[1], interval
+    assert fit[0] <= interval[0] + 3, (fit, interval)
