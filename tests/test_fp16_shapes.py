@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 from torch.utils.checkpoint import checkpoint
@@ -294,3 +295,56 @@ def test_fit_under_fsdp2_reads_an_expert_routed_later() -> None:
     assert fit[0] == fit[1], fit
     assert interval[0] == interval[1], interval
     assert fit[0] <= interval[0] + 3, (fit, interval)
+
+
+def _ranks_experts_to_local(rank: int, world_size: int, policy: str) -> dict[str, Any]:
+    """Expert parallelism as torchtitan's GroupedExperts runs it: the experts a DTensor sharded
+    over the ranks (`Shard(0)`), computed through `to_local()` in an fp16 `bmm` under autocast;
+    the experts' gradient is the model's largest (their input 2^10 times the dense layer's,
+    their weights 2^-12 times)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    dense = nn.Linear(16, 16)
+    experts = nn.Parameter(distribute_tensor(torch.randn(4, 16, 16) * 2.0**-12, mesh, [Shard(0)]))
+    optimizer = torch.optim.SGD([*dense.parameters(), experts], lr=0.0)
+    scaler = ShardedGradScaler(scale_policy=policy)
+    skips = 0
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", ShardScaleWarning)
+        for _step in range(20):
+            skips += _expert_step(scaler, optimizer, dense, experts, rank)
+    fp32 = scaler._stepper.fp16.fp32_formed
+    return {"skips": skips, "experts_read": id(experts) not in fp32, "said": len(said)}
+
+
+def _expert_step(
+    scaler: ShardedGradScaler, optimizer: Any, dense: nn.Module, experts: Any, rank: int
+) -> bool:
+    optimizer.zero_grad()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    with torch.autocast("cpu", dtype=torch.float16):
+        local = experts.to_local()
+        routed = torch.bmm((x * 1024).expand(len(local), 8, 16), local).sum(0)
+        loss = (dense(x) + routed).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    for param in dense.parameters():  # data parallelism's job: the dense replicas agree
+        dist.all_reduce(param.grad)
+    scaler.step(optimizer)
+    scaler.update()
+    return bool(scaler.last_step_skipped)
+
+
+def test_fit_reads_experts_computed_through_to_local() -> None:
+    """DTensor's `to_local()` hands the fp16 gradient on unchanged, and is looked through: the
+    experts are read as formed in fp16, with no opaque backward to warn of (as a Function
+    written in Python it would be read with a warning; before the reader's safe side, taken
+    for an fp32 op and not read)."""
+    fit = run_ranks(_ranks_experts_to_local, 2, "fit")
+    interval = run_ranks(_ranks_experts_to_local, 2, "interval")
+    assert fit[0] == fit[1], fit
+    assert fit[0]["experts_read"], fit
+    assert fit[0]["said"] == 0, fit
+    assert fit[0]["skips"] <= interval[0]["skips"] + 3, (fit, interval)
