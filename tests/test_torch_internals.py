@@ -209,9 +209,11 @@ def test_the_node_names_the_fit_s_reader_relies_on(world_of_one: dist.ProcessGro
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group, _fsdp_state
     from torch.nn.parallel import distributed
 
+    # FSDP2's pre-backward marker is newer than torch 2.11 (which has none to look through)
+    pre_backward = getattr(_fsdp_state, "RegisterPreBackwardFunction", None)
     for marker in (
         distributed._DDPSink,
         _fsdp_param_group.RegisterPostBackwardFunction,
-        _fsdp_state.RegisterPreBackwardFunction,
+        *([pre_backward] if pre_backward is not None else []),
     ):
         assert _THROUGH.fullmatch(f"{marker.__name__}Backward"), marker
