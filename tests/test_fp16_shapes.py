@@ -264,14 +264,19 @@ def test_a_gan_with_one_scaler_skips_as_the_interval_rule_does() -> None:
     assert fit <= interval + 1, (fit, interval)
 
 
-def _ranks_expert_routed_later_fsdp2(rank: int, world_size: int, policy: str) -> int:
+def _ranks_expert_routed_later_fsdp2(
+    rank: int, world_size: int, policy: str, fp16_params: bool
+) -> int:
     """`_Shaped("moe")` under FSDP2 (the graph's leaves are its unsharded parameters, not the
-    optimizer's), one backward a step, the expert routed from step 3 on (on every rank)."""
+    optimizer's), one backward a step, the expert routed from step 3 on (on every rank); with
+    `fp16_params`, FSDP2 all-gathers them in fp16 (`MixedPrecisionPolicy(param_dtype=...)`)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = _Shaped("moe")
-    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    dtype = torch.float16 if fp16_params else None
+    policy_ = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)), mp_policy=policy_)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     scaler = ShardedGradScaler(scale_policy=policy)
     skips = 0
@@ -285,13 +290,14 @@ def _ranks_expert_routed_later_fsdp2(rank: int, world_size: int, policy: str) ->
     return skips
 
 
-def test_fit_under_fsdp2_reads_an_expert_routed_later() -> None:
+@pytest.mark.parametrize("fp16_params", [False, True])
+def test_fit_under_fsdp2_reads_an_expert_routed_later(fp16_params: bool) -> None:
     """The first walk never met the expert's unsharded parameter, so no hook read it: the fit
     took its gradient for absent and skipped 13 of 20 (the interval rule 7). A step holding
     gradients no walk met now reads the sharded `.grad` whole and has the next iteration's
-    losses walked again, which hooks the expert: 4."""
-    fit = run_ranks(_ranks_expert_routed_later_fsdp2, 2, "fit")
-    interval = run_ranks(_ranks_expert_routed_later_fsdp2, 2, "interval")
+    losses walked again, which hooks the expert: 4. The same with FSDP2's fp16 `param_dtype`."""
+    fit = run_ranks(_ranks_expert_routed_later_fsdp2, 2, "fit", fp16_params)
+    interval = run_ranks(_ranks_expert_routed_later_fsdp2, 2, "interval", fp16_params)
     assert fit[0] == fit[1], fit
     assert interval[0] == interval[1], interval
     assert fit[0] <= interval[0] + 3, (fit, interval)
