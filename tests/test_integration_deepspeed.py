@@ -6,6 +6,8 @@ import copy
 import os
 import subprocess
 import sys
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils import cpp_extension
 
 from tests.harness import run_ranks
 
@@ -27,6 +30,26 @@ _BUILD_SHM_OP = """
 from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
 ShareMemCommBuilder().load(verbose=False)
 """
+_BUILD_TIMEOUT_S = 800
+
+
+def _remove_stale_build_locks() -> None:
+    """Remove a build lock older than a build is ever let run: a killed build left it.
+
+    torch's extension build holds ``<extensions root>/<python>_<device>/<name>/lock`` while it
+    compiles and waits, without end, for any such lock it finds; a process killed mid-build
+    (a rank timed out, a job stopped) leaves its lock for every later build on that machine.
+    """
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    for lock in root.glob("*/deepspeed_shm_comm/lock"):
+        try:
+            age = time.time() - lock.stat().st_mtime
+            if age <= _BUILD_TIMEOUT_S:
+                continue  # a build under way: torch's build waits for it
+            lock.unlink()
+        except FileNotFoundError:  # released, or removed by the other worker
+            continue
+        warnings.warn(f"removed {lock}: {age:.0f} s old, left by a killed build", stacklevel=1)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,19 +63,19 @@ def deepspeed_cpu_op_built() -> None:
     on which every later process waits. Built here, in a process of its own that is never killed,
     the ranks only load it; a build that fails or never ends is reported as such.
     """
+    _remove_stale_build_locks()
     try:
         built = subprocess.run(
             [sys.executable, "-c", _BUILD_SHM_OP],
             env={**os.environ, **_ENV},
             capture_output=True,
             text=True,
-            timeout=800,
+            timeout=_BUILD_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
         pytest.fail(
-            "DeepSpeed's CPU op deepspeed_shm_comm did not build within 800 s: a build lock left "
-            "by a killed build makes the build wait for ever (torch's extension cache, "
-            "TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions: remove deepspeed_shm_comm/lock)"
+            f"DeepSpeed's CPU op deepspeed_shm_comm did not build within {_BUILD_TIMEOUT_S} s "
+            "(torch's extension cache: TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions)"
         )
     if built.returncode != 0:
         pytest.fail(
