@@ -1,4 +1,17 @@
-"""The check: the few kernels a step runs over the gradients, whatever their layout.
+"""The check: this rank's gradients checked (and unscaled) in one fused pass per (device, dtype),
+and ONE collective that agrees on them with every rank; the few kernels it runs, whatever the
+gradients' layout.
+
+Invariant: each agreement is one collective, however many optimizers, devices and dtypes hold
+the gradients; a local check that `unscale_()` makes waits in the iteration's
+[`PendingCheck`][] for the next agreement, whose collective it joins.
+
+It works on gradients (the parameters' `.grad`, grouped by `shardscale._grads`), never on
+optimizers: which optimizers a step covers, and what each went through in the iteration, is
+the bookkeeping of `shardscale._stepping`, which hands the parameters here and records the
+verdict it gets back. The [`Agreement`][] carries what a rank learns across iterations: its
+gradient walks, its kernels' constants, which gradients the fit reads, and whether it has
+agreed before.
 
 Unscaling and checking are one fused pass per (device, dtype) group, torch's
 `_amp_foreach_non_finite_check_and_unscale_`: it multiplies by `inv_scale` and raises a flag in
@@ -34,11 +47,25 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
 
 import torch
 
-from shardscale._grads import GradGroups, NormGroups, move
+from shardscale._bins import Fp16Gradients, counted, counts_can_travel, power_above
+from shardscale._config import ScalerConfig
+from shardscale._errors import ShardScaleWarning
+from shardscale._exchange import Ballot, Exchange, Flag, Verdict
+from shardscale._grads import (
+    GradGroups,
+    GradWalk,
+    NormGroups,
+    move,
+    warn_plain_replicas_assumed,
+)
+from shardscale._state import ScaleHome
 from shardscale._torch import check_and_unscale_, foreach_mul_, foreach_norm
 
 Groups = GradGroups | NormGroups
@@ -244,3 +271,301 @@ def _norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         return norms
     # a norm (not its p-th power) of finite elements fits float32
     return torch.stack(foreach_norm(grads, norm_type, dtype=torch.float64)).float()
+
+
+_METER_SKIPPED = (
+    "step {step}: the underflow meter (underflow_every) could not read this step: its counts "
+    "need a SUM, which an inf-norm clip_grad_norm_ (its shares need a MAX) or CUDA's "
+    "deterministic mode (histc has no deterministic kernel) rules out. It reads the next of its "
+    "steps that can be; until one has, stats.underflow is None, never a 0 that was not measured "
+    "(said once)"
+)
+
+# What the fit and the meter read of a local check's gradients: the largest |scaled gradient|
+# (the fit's; None without it), and the counts by power of two (the meter's steps; else None).
+Reading = tuple[torch.Tensor | None, torch.Tensor | None]
+
+
+@dataclass(slots=True)
+class PendingCheck:
+    """Gradients `unscale_()` checked and unscaled locally, whose flags await the agreement
+    (the next `step`, `clip_grad_norm_` or `update`), so `unscale_` + clip + step still cost
+    one collective.
+
+    Attributes:
+        readings: What the fit and the meter read of their gradients, before the unscale.
+    """
+
+    flags: list[torch.Tensor] = field(default_factory=list)
+    has_elements: bool = False
+    readings: list[Reading | None] = field(default_factory=list)
+
+
+class Iteration(Protocol):
+    """What an agreement reads of the iteration under way
+    ([`IterationBook`][shardscale._stepping.IterationBook])."""
+
+    step: int
+    loss_nonfinite: torch.Tensor | None
+    losses: list[torch.Tensor]
+    fit_readings: list[torch.Tensor]
+    pending: PendingCheck
+
+
+@dataclass(frozen=True, slots=True)
+class ClipRequest:
+    """What `clip_grad_norm_` asks of an agreement.
+
+    Attributes:
+        replicas: How many ranks hold the same plain (non-DTensor) gradients (`replica_group`).
+        scaled: Whether the gradients still carry the scale (False: `unscale_()` divided it out).
+    """
+
+    params: list[torch.Tensor]
+    max_norm: float
+    norm_type: float
+    replicas: int
+    scaled: bool = True
+
+
+class Agreement:
+    """Checks, unscales and clips this rank's gradients, and agrees with every rank.
+
+    Args:
+        exchange: the process group and its collectives.
+        home: the scale state, and whether this rank scaled or holds an unconfirmed scale.
+        config: the scaler's options; read here: `underflow_every` (the meter's steps).
+    """
+
+    def __init__(self, exchange: Exchange, home: ScaleHome, config: ScalerConfig) -> None:
+        self.exchange = exchange
+        self.home = home
+        self.kernels = Kernels()
+        self.fp16 = Fp16Gradients()  # which gradients the fit reads, per backward
+        self._meter_every = config.underflow_every
+        self._walk = GradWalk()
+        self.agreed_once = False
+        """Whether this scaler has been through an agreement: every rank passes its first at
+        the same collective, so "defer unscale_'s agreement" is decided alike everywhere."""
+        self._warned = False  # that plain replicas were assumed on a stage without a loss
+        self._warned_meter = False  # that a meter step could not be read
+
+    def agree(
+        self,
+        book: Iteration,
+        scale: torch.Tensor,
+        caller: str,
+        unscale: list[torch.Tensor],
+        check: list[torch.Tensor],
+        clipped: bool = False,
+    ) -> Verdict:
+        """Check the gradients of `unscale` and `check` (parameters), and agree on ONE verdict
+        for them and for the checks `unscale_` left pending.
+
+        `unscale`'s gradients are divided by the scale in place; `check`'s are only checked
+        (`clipped`: some of them had a partial clip's agreement, which counted their
+        elements). On a rank that never called `scale()` (`caller` names the call for the
+        error where no rank did) nothing is modified until the group has confirmed that some
+        rank did.
+        """
+        device = scale.device
+        with torch.no_grad():
+            to_unscale, has_elements = self._walk.groups(unscale)
+            to_check, checked_has_elements = self._walk.groups(check)
+            counting = self._counting(book, device, None)
+            has_scale = not self.home.unconfirmed
+            has_elements = has_elements or checked_has_elements or clipped
+            ballot = self._ballot(book, device, has_elements, has_scale, None, counting)
+            inv = self.kernels.inverse(scale) if unscale else None
+            flags = {ballot.skip.device: ballot.skip}
+            unscaling = inv if has_scale else None  # unconfirmed: check now, unscale after
+            checks, everything = (to_unscale, to_check), [*unscale, *check]
+            reading = self._check_local(book, checks, everything, unscaling, flags, counting)
+            verdict = self._exchange(book, ballot, flags, reading, caller, None)
+            if not has_scale and inv is not None:  # the group confirmed a scale: unscale now
+                self.kernels.multiply_(to_unscale, inv)
+        return verdict
+
+    def check_for_later(
+        self, book: Iteration, scale: torch.Tensor, params: list[torch.Tensor]
+    ) -> Flags:
+        """`unscale_`'s local check of `params`' gradients, unscaling them: its flags and
+        readings wait in `book.pending` for the next agreement. Returns this rank's flags."""
+        with torch.no_grad():
+            groups, has_elements = self._walk.groups(params)
+            # the meter's step: an inf-norm clip may still undo it
+            counting = self._counting(book, scale.device, None)
+            flags: Flags = {}
+            inv = self.kernels.inverse(scale)
+            checks: tuple[GradGroups, GradGroups] = (groups, {})
+            reading = self._check_local(book, checks, params, inv, flags, counting)
+        pending = book.pending
+        pending.flags.extend(flags.values())
+        pending.has_elements = pending.has_elements or has_elements
+        pending.readings.append(reading)
+        return flags
+
+    def clip(self, book: Iteration, scale: torch.Tensor | None, request: ClipRequest) -> Verdict:
+        """`clip_grad_norm_`: the norm share of the request's gradients travels with the flags
+        (and the checks `unscale_` left pending) in ONE collective; then they are clipped (and
+        unscaled, unless `unscale_` did) to the agreed global norm. Without a `scale` (a
+        disabled scaler) only the norm is agreed on."""
+        kernels, norm_type = self.kernels, request.norm_type
+        with torch.no_grad():
+            norms, plain, has_elements = self._walk.norm_groups(request.params, request.replicas)
+            # a disabled scaler has no scale: the gradients' device (the CPU without any)
+            device = next(iter(norms), (torch.device("cpu"),))[0] if scale is None else scale.device
+            if plain and scale is not None and not self.home.scaled_here and not self._warned:
+                world_size = self.exchange.world_size
+                self._warned = warn_plain_replicas_assumed(request.replicas, world_size)
+            counting = scale is not None and self._counting(book, device, norm_type)
+            has_scale = scale is None or not self.home.unconfirmed
+            ballot = self._ballot(book, device, has_elements, has_scale, norm_type, counting, scale)
+            unscaled = None if request.scaled else scale  # its gradients' peak is times the scale
+            wanted = scale is not None and (counting or self.home.host.policy.fit)
+            read = (book, (norms,), request.params, device)
+            reading = self._read(*read, unscaled, counting) if wanted else None
+            inv = kernels.inverse(scale) if request.scaled and scale is not None else None
+            # The norms' check raises the ballot's own slot (no kernel of its own) where a
+            # non-finite norm means a non-finite element; otherwise the elements are checked.
+            exact = exact_norm_check(norms, norm_type)
+            flags = {ballot.skip.device: ballot.skip}
+            factor = kernels.one(device) if inv is None else inv
+            kernels.local_norms_(
+                norms, norm_type, factor, flags if exact else {}, cast(torch.Tensor, ballot.norm)
+            )
+            if inv is not None and not exact:
+                kernels.check_(norms, None, flags)
+            verdict = self._exchange(book, ballot, flags, reading, "clip_grad_norm_", norm_type)
+            total = cast(torch.Tensor, verdict.total_norm)  # exchanged with the flags
+            kernels.clip_(norms, request.max_norm, total, inv, verdict.flags[Flag.SKIP])
+        return verdict
+
+    def _check_local(
+        self,
+        book: Iteration,
+        groups: tuple[GradGroups, GradGroups],
+        params: list[torch.Tensor],
+        inv_scale: torch.Tensor | None,
+        flags: Flags,
+        counting: bool,
+    ) -> Reading | None:
+        """The local check, the same for an agreement and for `unscale_`'s deferred one: what
+        the fit and the meter read of the still-scaled gradients (of `params`), where they want
+        it; then one fused check per group of the first `groups`, which also multiplies by
+        `inv_scale` (if given), and of the second, raising `flags`."""
+        unscale, check = groups
+        wanted = counting or self.home.host.policy.fit
+        device = self.home.require("step").scale.device
+        reading = self._read(book, groups, params, device, None, counting) if wanted else None
+        self.kernels.check_(unscale, inv_scale, flags)
+        if check:
+            self.kernels.check_(check, None, flags)
+        return reading
+
+    def _read(
+        self,
+        book: Iteration,
+        groups: tuple[GradGroups | NormGroups, ...],
+        params: list[torch.Tensor],
+        device: torch.device,
+        scale: torch.Tensor | None,
+        counting: bool,
+    ) -> Reading:
+        """What the fit and the meter read of `groups`, the gradients of `params` (times
+        `scale`, for gradients unscaled already): the largest |gradient| fp16 held where the fit
+        wants it (of those formed in fp16: `shardscale._bins.Fp16Gradients`), the counts on the
+        meter's steps (`shardscale._bins`)."""
+        fit = self.home.host.policy.fit
+        largest = self.fp16.read(groups, params, device, scale, book) if fit else None
+        return largest, counted(groups, device, scale) if counting else None
+
+    def _counting(self, book: Iteration, device: torch.device, norm_type: float | None) -> bool:
+        """Whether this step is one of the meter's: every `underflow_every` steps (0: never),
+        where its counts can be made and travel (`shardscale._bins`)."""
+        every = self._meter_every
+        # `not step % every`: a Python bool even where torch.compile traces the step as a symbol
+        if not every or book.step % every:
+            return False
+        if counts_can_travel(device, norm_type):
+            return True
+        if not self._warned_meter:  # a meter step it cannot read: say so, once
+            self._warned_meter = True
+            warnings.warn(_METER_SKIPPED.format(step=book.step), ShardScaleWarning, stacklevel=5)
+        return False
+
+    def _ballot(
+        self,
+        book: Iteration,
+        device: torch.device,
+        has_elements: bool,
+        has_scale: bool,
+        norm_type: float | None,
+        counting: bool,
+        scale: object = True,
+    ) -> Ballot:
+        """This rank's ballot: it holds gradient elements where `unscale_`'s pending checks did
+        too; with the norm's share where `norm_type` travels, the fit's peaks (a slot per rank
+        under a SUM) where a `scale` is, the meter's counts on its steps."""
+        summed = counting or (norm_type is not None and not math.isinf(norm_type))
+        fit = scale is not None and self.home.host.policy.fit
+        return self.exchange.ballot(
+            device,
+            has_elements=has_elements or book.pending.has_elements,
+            has_scale=has_scale,
+            loss_nonfinite=book.loss_nonfinite,
+            with_norm=norm_type is not None,
+            peaks=(self.exchange.world_size if summed else 1) if fit else 0,
+            counted=counting,
+        )
+
+    def _exchange(
+        self,
+        book: Iteration,
+        ballot: Ballot,
+        flags: Flags,
+        reading: Reading | None,
+        caller: str,
+        norm_type: float | None,
+    ) -> Verdict:
+        """The one collective on `ballot`, with this rank's `flags` on other devices than the
+        ballot's and those of `unscale_`'s pending checks, and what the fit and the meter read
+        (this check's `reading` and the pending ones'). Then the scale is confirmed where the
+        ballot had none. The pending checks are consumed: their records take the verdict."""
+        pending, book.pending = book.pending, PendingCheck()
+        if ballot.peaks is not None or ballot.bins is not None:
+            _fill_readings(ballot, [reading, *pending.readings])
+        others = pending.flags  # and this rank's flags on other devices than the ballot's
+        for device, flag in flags.items():
+            if device != ballot.skip.device:
+                others.append(flag)
+        verdict = self.exchange.agree(
+            ballot, others, step=book.step, caller=caller, norm_type=norm_type
+        )
+        if ballot.peaks is not None:  # now the group's: the largest slot's, the only one of a MAX
+            largest = ballot.peaks[0] if len(ballot.peaks) == 1 else ballot.peaks.amax()
+            verdict.peak = move(power_above(largest), ballot.device)
+        if ballot.bins is not None:
+            verdict.counts = move(ballot.bins, ballot.device)
+        if not ballot.has_scale:  # the group confirmed that some rank scaled
+            self.home.confirm()
+        self.agreed_once = True
+        return verdict
+
+
+def _fill_readings(ballot: Ballot, readings: Sequence[Reading | None]) -> None:
+    """Write this rank's readings into the ballot: the largest peak into its peak slot, the
+    counts added up into the bins (those a ballot without bins has no place for are dropped:
+    an inf-norm clip's, where the meter waits for the next of its steps)."""
+    peaks = [r[0] for r in readings if r is not None and r[0] is not None]
+    slot = ballot.peak_slot
+    if slot is not None and peaks:  # a NaN counts as an inf: an overflow, and survives a MAX
+        largest = (
+            peaks[0]
+            if len(peaks) == 1
+            else torch.stack([move(p, slot.device) for p in peaks]).amax()
+        )
+        torch.nan_to_num(move(largest, slot.device), nan=math.inf, posinf=math.inf, out=slot)
+    counts = [r[1] for r in readings if r is not None and r[1] is not None]
+    if ballot.bins is not None and counts:
+        torch.sum(torch.stack([move(c, ballot.bins.device) for c in counts]), 0, out=ballot.bins)

@@ -29,15 +29,7 @@ from shardscale._check import Flags, Kernels
 from shardscale._errors import ShardScaleWarning
 from shardscale._exchange import combined
 from shardscale._grads import GradWalk
-from shardscale._state import IterationBook, OptimizerRecord, optimizer_params
-from shardscale._stepping import leaves
-
-# torch's FutureWarning, word for word, for optimizers whose step() takes `grad_scaler`.
-GRAD_SCALER_WARNING = (
-    "GradScaler is going to stop passing itself as a keyword argument to the passed "
-    "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
-    "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly."
-)
+from shardscale._stepping import IterationBook, OptimizerRecord, leaves, optimizer_params
 
 LOCAL_FLAGS_WARNING = (
     "scaler._found_inf_per_device() / _per_optimizer_states read between unscale_() and the "
@@ -170,7 +162,7 @@ def found_inf_per_device(scaler: Any, optimizer: Any) -> dict[str, Any]:
     `_per_optimizer_states`); empty if not checked yet. (Annotated as torch annotates it; the
     keys are devices.)
     """
-    book = scaler._book
+    book = scaler._steps.book
     records = [book.records[id(leaf)] for leaf in leaves(optimizer) if id(leaf) in book.records]
     return flags_of(records)
 
@@ -187,9 +179,10 @@ def check_inf_per_device(scaler: Any, optimizer: Any) -> dict[str, Any]:
     """
     if not scaler._enabled:
         raise RuntimeError("_check_inf_per_device() was called on a disabled scaler")
-    scale = scaler._loss_scale("_check_inf_per_device", optimizer)
-    records = [scaler._book.record(leaf) for leaf in leaves(optimizer)]
-    scaler._stepper.agree(scaler._book, scale, "_check_inf_per_device", check=records)
+    steps = scaler._steps
+    scale = steps.loss_scale("_check_inf_per_device", optimizer)
+    records = [steps.book.record(leaf) for leaf in leaves(optimizer)]
+    steps.agree(scale, "_check_inf_per_device", check=records)
     return found_inf_per_device(scaler, optimizer)
 
 

@@ -1,4 +1,5 @@
-"""The project's warning and exception types.
+"""The project's warning and exception types, and torch's messages that we raise in torch's
+words.
 
 Users filter our warnings (`warnings.filterwarnings("error", category=ShardScaleWarning)`)
 and catch our distributed failures without catching every `RuntimeError` torch raises, so both
@@ -15,6 +16,14 @@ def no_scale_message(funcname: str) -> str:
         f"Attempted {funcname} but _scale is None.  This may indicate your script did not use "
         "scaler.scale(loss or outputs) earlier in the iteration."
     )
+
+
+# torch's FutureWarning, word for word, for optimizers whose step() takes `grad_scaler`.
+GRAD_SCALER_WARNING = (
+    "GradScaler is going to stop passing itself as a keyword argument to the passed "
+    "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+    "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly."
+)
 
 
 class ShardScaleWarning(UserWarning):

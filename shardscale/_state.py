@@ -1,43 +1,25 @@
-"""What the scaler remembers: the scale state on the device where each step moves it, where
-that state lives, and the iteration under way.
+"""What the scaler remembers: the scale state on the device where each step moves it, and
+where that state lives.
 
 Invariant: between two `update()` calls the device tensors hold exactly what a state dict would
 read back (one host read, `DeviceState.packed`, gets all of it; the state dict's format is
 `shardscale._checkpoint`'s). [`ScaleHome`][] answers "does this rank hold a scale?" and is the one
-path by which the state changes.
-
-An iteration runs from one `update()` to the next: scale, backward, then per optimizer at most
-one `unscale_` (before its `step`) and one `step`, and at most one `clip_grad_norm_`. Its
-[`IterationBook`][] enforces those rules, raising torch's own errors in torch's words (users'
-`match=` strings keep working), and remembers what `clip_grad_norm_` already unscaled and agreed,
-which local checks of `unscale_` still wait for the agreement, and whether every loss `scale()`
-saw was finite. `shardscale._stepping` does the work of each call on it.
+path by which the state changes. The iteration under way is `shardscale._stepping`'s.
 """
 
 from __future__ import annotations
 
-import operator
-import sys
-from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field, replace
-from enum import Enum, IntEnum
-from itertools import chain
+from dataclasses import dataclass, replace
+from enum import IntEnum
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from shardscale._bins import meter_reading
 from shardscale._errors import no_scale_message
 from shardscale._exchange import Flag, Verdict
-from shardscale._policy import (
-    ScalePolicy,
-    ScaleState,
-)
-from shardscale._torch import in_pipeline_shape_inference
-
-_LEAVES = operator.itemgetter(1)
+from shardscale._policy import ScalePolicy, ScaleState
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,222 +369,3 @@ class ScaleHome:
             return self.host
         scale, counters = unpack(self.device.packed().tolist())
         return ScalerState(policy=self.host.policy, scale=scale, counters=counters)
-
-
-Stage = Enum("Stage", "READY UNSCALED STEPPED", start=0)
-
-
-@dataclass(frozen=True, slots=True)
-class ClipRecord:
-    """What `clip_grad_norm_` unscaled and agreed on in this iteration, for steps to take."""
-
-    param_ids: frozenset[int]
-    verdict: Verdict
-
-
-@dataclass(slots=True)
-class OptimizerRecord:
-    """Where one optimizer is in the iteration, and what the group agreed for it.
-
-    Attributes:
-        takes_scale: Whether its `step()` reads `grad_scale`/`found_inf` itself (fused, and
-            capturable with amp support): it unscales and skips on the device, with no host
-            synchronisation; its gradients are only checked.
-        local_flags: What `unscale_()` found on this rank alone, by device, while the group has
-            not agreed yet (torch's private reads answer it then: `shardscale._compat`).
-        clipped: The `clip_grad_norm_` that unscaled some, but not all, of its parameters (an
-            MoE model's dense part, say): those keep the clip's unscale and flag, the others
-            are checked and unscaled at its own agreement, and its verdict is both.
-    """
-
-    optimizer: torch.optim.Optimizer
-    takes_scale: bool
-    stage: Stage = Stage.READY
-    verdict: Verdict | None = None
-    local_flags: dict[torch.device, torch.Tensor] | None = None
-    clipped: ClipRecord | None = None
-
-    def params_to_check(self) -> Iterator[torch.Tensor]:
-        """Its parameters whose gradients still carry the scale: all, less a partial clip's."""
-        params = optimizer_params((self.optimizer,))
-        if self.clipped is None:
-            return params
-        return (param for param in params if id(param) not in self.clipped.param_ids)
-
-
-# What the fit and the meter read of a local check's gradients: the largest |scaled gradient|
-# (the fit's; None without it), and the counts by power of two (the meter's steps; else None).
-Reading = tuple[torch.Tensor | None, torch.Tensor | None]
-
-
-@dataclass(slots=True)
-class PendingCheck:
-    """Gradients `unscale_()` checked and unscaled locally, whose flags await the agreement
-    (the next `step`, `clip_grad_norm_` or `update`), so `unscale_` + clip + step still cost
-    one collective.
-
-    Attributes:
-        readings: What the fit and the meter read of their gradients, before the unscale.
-    """
-
-    records: list[OptimizerRecord] = field(default_factory=list)
-    flags: list[torch.Tensor] = field(default_factory=list)
-    has_elements: bool = False
-    readings: list[Reading | None] = field(default_factory=list)
-
-
-def optimizer_params(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
-    """Every parameter of every param group of each of `optimizers`, in order."""
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            yield from group["params"]
-
-
-@dataclass(slots=True)
-class IterationBook:
-    """The records of one iteration (module docstring).
-
-    Attributes:
-        step: The number (1-based) of the step this iteration takes; error messages name it.
-        loss_scale: The scale this iteration's losses were multiplied by, a copy of the live one
-            made at its first `scale()` (None: not yet, or never on this rank: a pipeline stage that
-            computes no loss, which takes the live one); its gradients are divided by exactly this.
-        loss_nonfinite: bool scalar: some loss `scale()` multiplied in this iteration was inf or NaN
-            (None: none was scaled on this rank).
-        losses: The losses themselves (detached), to locate a forward overflow.
-        fit_readings: Each backward's largest |scaled gradient| formed in fp16, where the
-            iteration accumulates micro-batches (`shardscale._bins.Fp16Gradients`).
-        carried: A backward may carry `loss_scale`: a loss that requires grad was scaled, or
-            the tensor itself was handed out (`loss_scale_tensor()`).
-    """
-
-    step: int
-    loss_scale: torch.Tensor | None = None
-    records: dict[int, OptimizerRecord] = field(default_factory=dict)
-    clipped: ClipRecord | None = None
-    pending: PendingCheck = field(default_factory=PendingCheck)
-    loss_nonfinite: torch.Tensor | None = None
-    losses: list[torch.Tensor] = field(default_factory=list)
-    fit_readings: list[torch.Tensor] = field(default_factory=list)
-    carried: bool = False
-
-    def midway(self) -> bool:
-        """Whether the iteration is under way: a backward may carry its scale, or an optimizer
-        was unscaled, clipped or stepped."""
-        return self.carried or bool(self.records) or self.clipped is not None
-
-    def note_loss(self, loss: torch.Tensor, into: torch.Tensor | None) -> None:
-        """Remember on the device whether `loss` is finite: two kernels (a third for a loss of
-        several elements, and from the second loss on: gradient accumulation counts every
-        micro-batch); no host synchronisation. The first loss's bit is written `into` that
-        tensor, if given (one a CUDA graph reads). The loss is kept (a reference, no copy) to
-        locate a forward overflow."""
-        if "torch.distributed.pipelining" in sys.modules and in_pipeline_shape_inference():
-            return  # a loss of placeholder tensors (see there): nothing to check
-        value = loss.detach()
-        if isinstance(value, DTensor):  # a loss_parallel loss: this rank's part of it
-            value = value.to_local()
-        nonfinite = torch.isnan(value * 0)  # inf * 0 and NaN * 0 are NaN; a finite x: 0
-        nonfinite = nonfinite.reshape(()) if nonfinite.numel() == 1 else nonfinite.any()
-        if self.loss_nonfinite is not None:
-            self.loss_nonfinite |= nonfinite
-        else:
-            self.loss_nonfinite = nonfinite if into is None else into.copy_(nonfinite)
-        self.losses.append(value)
-
-    def record(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
-        """`optimizer`'s record in this iteration, made at its first call."""
-        record = self.records.get(id(optimizer))
-        if record is None:
-            takes_scale = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-            record = self.records[id(optimizer)] = OptimizerRecord(optimizer, takes_scale)
-        return record
-
-    def begin_unscale(
-        self, targets: list[tuple[Any, tuple[torch.optim.Optimizer, ...]]]
-    ) -> tuple[list[OptimizerRecord], list[OptimizerRecord]]:
-        """The records of the targets' leaves that `unscale_` must check now, and those that
-        took `clip_grad_norm_`'s unscale and verdict instead.
-
-        Raises:
-            RuntimeError: an optimizer was unscaled already, or stepped, since the last update.
-        """
-        to_check, adopted = [], []
-        for optimizer in chain.from_iterable(map(_LEAVES, targets)):
-            record = self.record(optimizer)
-            if self.clipped is not None and self._adopt_clip(record, self.clipped):
-                adopted.append(record)
-            elif record.stage is Stage.UNSCALED:
-                raise RuntimeError(
-                    "unscale_() has already been called on this optimizer since the last update()."
-                )
-            elif record.stage is Stage.STEPPED:
-                raise RuntimeError("unscale_() is being called after step().")
-            else:
-                to_check.append(record)
-        return to_check, adopted
-
-    def begin_step(
-        self, targets: list[tuple[Any, tuple[torch.optim.Optimizer, ...]]]
-    ) -> tuple[list[tuple[Any, list[OptimizerRecord]]], list[OptimizerRecord]]:
-        """`step`'s targets, each with its leaves' records, and the records that took
-        `clip_grad_norm_`'s unscale and verdict just now.
-
-        Raises:
-            RuntimeError: one of them was stepped already since the last update.
-        """
-        recorded, adopted = [], []
-        for target, target_leaves in targets:
-            records = []
-            for optimizer in target_leaves:
-                record = self.record(optimizer)
-                if record.stage is Stage.STEPPED:
-                    raise RuntimeError("step() has already been called since the last update().")
-                records.append(record)
-                if self.clipped is not None and self._adopt_clip(record, self.clipped):
-                    adopted.append(record)
-            recorded.append((target, records))
-        return recorded, adopted
-
-    def begin_clip(self, params: list[torch.Tensor]) -> bool:
-        """Whether `clip_grad_norm_`'s gradients still carry the scale (False: `unscale_()`
-        divided it out of every one of them: they are clipped as they are).
-
-        Raises:
-            RuntimeError: the clip was called already since the last update, or after some,
-                but not all, of its parameters were unscaled.
-        """
-        if self.clipped is not None:
-            raise RuntimeError("clip_grad_norm_() has already been called since the last update().")
-        ids = frozenset(map(id, params))
-        done: set[int] = set()  # the parameters unscaled already
-        for record in self.records.values():
-            if record.stage is not Stage.READY:
-                done.update(map(id, optimizer_params((record.optimizer,))))
-        if ids & done and not ids <= done:
-            raise RuntimeError(
-                "clip_grad_norm_() got parameters of which some, but not all, were already "
-                "unscaled by unscale_(): clip each optimizer's parameters after its unscale_(), "
-                "or all of them before any unscale_()"
-            )
-        return not (done and ids <= done)
-
-    def _adopt_clip(self, record: OptimizerRecord, clipped: ClipRecord) -> bool:
-        """Take `clip_grad_norm_`'s unscale and flag for `record` if the clip covered every
-        parameter of its optimizer (the usual case: 0.3 us a parameter). A clip over some of
-        them leaves it to be checked at its agreement, less what the clip unscaled.
-
-        Decided by the parameters alone, never by which of them hold a gradient on this rank
-        (an MoE expert no token reached holds none on one rank and one on another): every rank
-        takes the same branch and issues the same collectives.
-        """
-        if record.stage is not Stage.READY or record.clipped is not None:
-            return False
-        params = optimizer_params((record.optimizer,))
-        if not clipped.param_ids.issuperset(map(id, params)):
-            if not clipped.param_ids.isdisjoint(map(id, optimizer_params((record.optimizer,)))):
-                record.clipped = clipped
-            return False
-        record.verdict = clipped.verdict
-        record.stage = Stage.UNSCALED
-        return True

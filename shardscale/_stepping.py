@@ -1,19 +1,22 @@
-"""The work of one step: checks, the one agreement, the optimizer steps.
+"""A step's bookkeeping: the iteration's book, what each call records in it, and each step's
+plan and run. One room for it: the scaler hands its optimizers here, and they go no further
+than the parameters whose gradients `shardscale._check` checks and agrees on.
 
 Invariant: every optimizer of an iteration steps or skips on every rank alike, after ONE
 collective per `step()`/`clip_grad_norm_()` call however many optimizers, devices and dtypes
 hold the gradients; `unscale_()` adds none after the first step (its local check waits for that
 collective; on a scaler's first step it agrees at once).
 
-The [`Stepper`][] does the work for a scaler, on the iteration's book
-([`IterationBook`][shardscale._state.IterationBook]) it is handed; it carries what a rank learns
-across iterations: its gradient walks, its kernels' constants, whether it has agreed before, and
-where the last overflow was.
+An iteration runs from one `update()` to the next: scale, backward, then per optimizer at most
+one `unscale_` (before its `step`) and one `step`, and at most one `clip_grad_norm_`. Its
+[`IterationBook`][] enforces those rules, raising torch's own errors in torch's words (users'
+`match=` strings keep working), and remembers what `clip_grad_norm_` already unscaled and agreed,
+which local checks of `unscale_` still wait for the agreement, and whether every loss `scale()`
+saw was finite.
 
-A step, as `Stepper` runs it: `agree_step` resolves what to step, checks (and unscales) the
-local gradients in one fused pass per group (`_check_local`, shared with `unscale_`'s deferred
-check), and agrees in the one collective (`_exchange`); it returns a [`StepPlan`][], which
-`step` then runs: each target stepped, or skipped, as agreed.
+A step, as [`Steps`][] runs it: resolve what to step (`steppables`), record its leaves in the
+book (`IterationBook.begin_step`), hand the gradients still to check to the agreement, record
+its verdict, then step each target, or skip it, as agreed ([`StepPlan`][]).
 
 A step may be one optimizer, a list of them, or a container (torchtitan's `OptimizersContainer`:
 an `Optimizer` holding its parts in `optimizers`; Megatron's `ChainedOptimizer`:
@@ -23,81 +26,232 @@ ones get the scale and the agreed flag, and each target's own `step()` is called
 
 from __future__ import annotations
 
-import math
+import inspect
 import operator
+import sys
 import warnings
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
 from functools import partial
 from itertools import chain
 from typing import Any, TypeAlias, cast
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from shardscale._bins import Fp16Gradients, counted, counts_can_travel, power_above
-from shardscale._check import Flags, Kernels, exact_norm_check
+from shardscale._check import Agreement, ClipRequest, PendingCheck
 from shardscale._config import ScalerConfig
-from shardscale._errors import ShardScaleWarning
-from shardscale._exchange import Ballot, Exchange, Flag, Verdict, combined
-from shardscale._grads import (
-    GradGroups,
-    GradWalk,
-    NormGroups,
-    move,
-    move_together,
-    warn_plain_replicas_assumed,
-)
+from shardscale._errors import GRAD_SCALER_WARNING, no_scale_message
+from shardscale._exchange import Flag, Verdict, combined
+from shardscale._grads import grads_device, move_together
 from shardscale._locate import NonFiniteGrad, locate_optimizers, log_located
-from shardscale._state import (
-    ClipRecord,
-    IterationBook,
-    OptimizerRecord,
-    PendingCheck,
-    Reading,
-    ScaleHome,
-    Stage,
-    optimizer_params,
-)
-
-_METER_SKIPPED = (
-    "step {step}: the underflow meter (underflow_every) could not read this step: its counts "
-    "need a SUM, which an inf-norm clip_grad_norm_ (its shares need a MAX) or CUDA's "
-    "deterministic mode (histc has no deterministic kernel) rules out. It reads the next of its "
-    "steps that can be; until one has, stats.underflow is None, never a 0 that was not measured "
-    "(said once)"
-)
+from shardscale._state import ScaleHome, device_path
+from shardscale._torch import in_pipeline_shape_inference
 
 # What `unscale_`/`step` accept: an optimizer (or a container of several), or a list.
 OptimizerTarget: TypeAlias = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
+# The arguments of `scaler.step()` that go on to each optimizer's own `step()`.
+Args: TypeAlias = tuple[Any, ...]
+Kwargs: TypeAlias = dict[str, Any]
 
 _CONTAINER_ATTRIBUTES = ("optimizers", "chained_optimizers")
 _OPTIMIZER = operator.attrgetter("optimizer")
 _TAKES_SCALE = operator.attrgetter("takes_scale")
-_TO_CHECK = operator.methodcaller("params_to_check")
 _VERDICT = operator.attrgetter("verdict")
 _LEAVES = operator.itemgetter(1)
 _DEVICE = operator.attrgetter("device")
 
+Stage = Enum("Stage", "READY UNSCALED STEPPED", start=0)
+
 
 @dataclass(frozen=True, slots=True)
-class ClipRequest:
-    """What `clip_grad_norm_` asks of an agreement.
+class ClipRecord:
+    """What `clip_grad_norm_` unscaled and agreed on in this iteration, for steps to take."""
+
+    param_ids: frozenset[int]
+    verdict: Verdict
+
+
+def optimizer_params(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
+    """Every parameter of every param group of each of `optimizers`, in order."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            yield from group["params"]
+
+
+@dataclass(slots=True)
+class OptimizerRecord:
+    """Where one optimizer is in the iteration, and what the group agreed for it.
 
     Attributes:
-        replicas: How many ranks hold the same plain (non-DTensor) gradients (`replica_group`).
-        scaled: Whether the gradients still carry the scale (False: `unscale_()` divided it out).
+        takes_scale: Whether its `step()` reads `grad_scale`/`found_inf` itself (fused, and
+            capturable with amp support): it unscales and skips on the device, with no host
+            synchronisation; its gradients are only checked.
+        local_flags: What `unscale_()` found on this rank alone, by device, while the group has
+            not agreed yet (torch's private reads answer it then: `shardscale._compat`).
+        clipped: The `clip_grad_norm_` that unscaled some, but not all, of its parameters (an
+            MoE model's dense part, say): those keep the clip's unscale and flag, the others
+            are checked and unscaled at its own agreement, and its verdict is both.
     """
 
-    params: list[torch.Tensor]
-    max_norm: float
-    norm_type: float
-    replicas: int
-    scaled: bool = True
+    optimizer: torch.optim.Optimizer
+    takes_scale: bool
+    stage: Stage = Stage.READY
+    verdict: Verdict | None = None
+    local_flags: dict[torch.device, torch.Tensor] | None = None
+    clipped: ClipRecord | None = None
+
+    def params_to_check(self) -> Iterator[torch.Tensor]:
+        """Its parameters whose gradients still carry the scale: all, less a partial clip's."""
+        params = optimizer_params((self.optimizer,))
+        if self.clipped is None:
+            return params
+        return (param for param in params if id(param) not in self.clipped.param_ids)
+
+
+def _params_of(records: Iterable[OptimizerRecord]) -> list[torch.Tensor]:
+    return [param for record in records for param in record.params_to_check()]
+
+
+@dataclass(slots=True)
+class IterationBook:
+    """The records of one iteration (module docstring).
+
+    Attributes:
+        step: The number (1-based) of the step this iteration takes; error messages name it.
+        loss_scale: The scale this iteration's losses were multiplied by, a copy of the live one
+            made at its first `scale()` (None: not yet, or never on this rank: a pipeline stage that
+            computes no loss, which takes the live one); its gradients are divided by exactly this.
+        pending: The local checks of `unscale_()` that await the agreement; `waiting`, their
+            optimizers' records, which take its verdict.
+        loss_nonfinite: bool scalar: some loss `scale()` multiplied in this iteration was inf or NaN
+            (None: none was scaled on this rank).
+        losses: The losses themselves (detached), to locate a forward overflow.
+        fit_readings: Each backward's largest |scaled gradient| formed in fp16, where the
+            iteration accumulates micro-batches (`shardscale._bins.Fp16Gradients`).
+        carried: A backward may carry `loss_scale`: a loss that requires grad was scaled, or
+            the tensor itself was handed out (`loss_scale_tensor()`).
+    """
+
+    step: int
+    loss_scale: torch.Tensor | None = None
+    records: dict[int, OptimizerRecord] = field(default_factory=dict)
+    clipped: ClipRecord | None = None
+    pending: PendingCheck = field(default_factory=PendingCheck)
+    waiting: list[OptimizerRecord] = field(default_factory=list)
+    loss_nonfinite: torch.Tensor | None = None
+    losses: list[torch.Tensor] = field(default_factory=list)
+    fit_readings: list[torch.Tensor] = field(default_factory=list)
+    carried: bool = False
+
+    def midway(self) -> bool:
+        """Whether the iteration is under way: a backward may carry its scale, or an optimizer
+        was unscaled, clipped or stepped."""
+        return self.carried or bool(self.records) or self.clipped is not None
+
+    def record(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
+        """`optimizer`'s record in this iteration, made at its first call."""
+        record = self.records.get(id(optimizer))
+        if record is None:
+            takes_scale = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+            record = self.records[id(optimizer)] = OptimizerRecord(optimizer, takes_scale)
+        return record
+
+    def begin_unscale(
+        self, targets: list[tuple[Any, tuple[torch.optim.Optimizer, ...]]]
+    ) -> tuple[list[OptimizerRecord], list[OptimizerRecord]]:
+        """The records of the targets' leaves that `unscale_` must check now, and those that
+        took `clip_grad_norm_`'s unscale and verdict instead.
+
+        Raises:
+            RuntimeError: an optimizer was unscaled already, or stepped, since the last update.
+        """
+        to_check, adopted = [], []
+        for optimizer in chain.from_iterable(map(_LEAVES, targets)):
+            record = self.record(optimizer)
+            if self.clipped is not None and self._adopt_clip(record, self.clipped):
+                adopted.append(record)
+            elif record.stage is Stage.UNSCALED:
+                raise RuntimeError(
+                    "unscale_() has already been called on this optimizer since the last update()."
+                )
+            elif record.stage is Stage.STEPPED:
+                raise RuntimeError("unscale_() is being called after step().")
+            else:
+                to_check.append(record)
+        return to_check, adopted
+
+    def begin_step(
+        self, targets: list[tuple[Any, tuple[torch.optim.Optimizer, ...]]]
+    ) -> tuple[list[tuple[Any, list[OptimizerRecord]]], list[OptimizerRecord]]:
+        """`step`'s targets, each with its leaves' records, and the records that took
+        `clip_grad_norm_`'s unscale and verdict just now.
+
+        Raises:
+            RuntimeError: one of them was stepped already since the last update.
+        """
+        recorded, adopted = [], []
+        for target, target_leaves in targets:
+            records = []
+            for optimizer in target_leaves:
+                record = self.record(optimizer)
+                if record.stage is Stage.STEPPED:
+                    raise RuntimeError("step() has already been called since the last update().")
+                records.append(record)
+                if self.clipped is not None and self._adopt_clip(record, self.clipped):
+                    adopted.append(record)
+            recorded.append((target, records))
+        return recorded, adopted
+
+    def begin_clip(self, params: list[torch.Tensor]) -> bool:
+        """Whether `clip_grad_norm_`'s gradients still carry the scale (False: `unscale_()`
+        divided it out of every one of them: they are clipped as they are).
+
+        Raises:
+            RuntimeError: the clip was called already since the last update, or after some,
+                but not all, of its parameters were unscaled.
+        """
+        if self.clipped is not None:
+            raise RuntimeError("clip_grad_norm_() has already been called since the last update().")
+        ids = frozenset(map(id, params))
+        done: set[int] = set()  # the parameters unscaled already
+        for record in self.records.values():
+            if record.stage is not Stage.READY:
+                done.update(map(id, optimizer_params((record.optimizer,))))
+        if ids & done and not ids <= done:
+            raise RuntimeError(
+                "clip_grad_norm_() got parameters of which some, but not all, were already "
+                "unscaled by unscale_(): clip each optimizer's parameters after its unscale_(), "
+                "or all of them before any unscale_()"
+            )
+        return not (done and ids <= done)
+
+    def _adopt_clip(self, record: OptimizerRecord, clipped: ClipRecord) -> bool:
+        """Take `clip_grad_norm_`'s unscale and flag for `record` if the clip covered every
+        parameter of its optimizer (the usual case: 0.3 us a parameter). A clip over some of
+        them leaves it to be checked at its agreement, less what the clip unscaled.
+
+        Decided by the parameters alone, never by which of them hold a gradient on this rank
+        (an MoE expert no token reached holds none on one rank and one on another): every rank
+        takes the same branch and issues the same collectives.
+        """
+        if record.stage is not Stage.READY or record.clipped is not None:
+            return False
+        param_ids = set(map(id, optimizer_params((record.optimizer,))))
+        if not clipped.param_ids.issuperset(param_ids):
+            if not clipped.param_ids.isdisjoint(param_ids):
+                record.clipped = clipped
+            return False
+        record.verdict = clipped.verdict
+        record.stage = Stage.UNSCALED
+        return True
 
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """What [`Stepper.agree_step`][] found and the group agreed, for [`Stepper.step`][] to run.
+    """What [`Steps`][] found to step and the group agreed, for it to run.
 
     Attributes:
         targets: What to step (an optimizer, or a container), each with its leaves' records.
@@ -160,43 +314,180 @@ def leaves(target: object) -> list[torch.optim.Optimizer]:
     return list(chain.from_iterable(map(_LEAVES, steppables(target))))
 
 
-class Stepper:
-    """Checks, agrees, unscales, clips and steps, for one scaler on one rank.
+def passes_itself(optimizer: object) -> bool:
+    """Whether torch's scalers would call `optimizer.step(grad_scaler=scaler)`: it declares
+    `_step_supports_amp_scaling` and its `step()` has a `grad_scaler` parameter (inspected on
+    every step, as torch does, but only for optimizers that declare the first)."""
+    step = getattr(optimizer, "step", None)
+    if not getattr(optimizer, "_step_supports_amp_scaling", False) or step is None:
+        return False
+    try:
+        return "grad_scaler" in inspect.signature(step).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
+class Steps:
+    """A scaler's iterations, one after another: the book of the one under way, and every call
+    that records in it, plans a step from it, or takes its outcome.
 
     Args:
-        exchange: the process group and its collectives.
-        home: the scale state, and whether this rank scaled or holds an unconfirmed scale.
-        config: the scaler's options; read here: `locate_overflow` (on overflow steps, find and
-            log the non-finite gradients) and `underflow_every` (the meter's steps).
+        scaler: the scaler whose steps these are.
+        agreement: the checks and the one collective (`shardscale._check`).
+        home: the scale state, and whether this rank holds one.
+        config: the scaler's options; read here: `max_retries` (the closure's reruns) and
+            `locate_overflow` (on overflow steps, find and log the non-finite gradients).
     """
 
-    def __init__(self, exchange: Exchange, home: ScaleHome, config: ScalerConfig) -> None:
-        self.exchange = exchange
+    def __init__(self, scaler: Any, agreement: Agreement, home: ScaleHome, config: ScalerConfig):
+        # What torch's deprecated protocol hands the optimizer. Weakly: the scaler owns its
+        # steps, and a cycle would keep a dropped scaler (and the fit's hooks) alive until a gc.
+        self._scaler = weakref.ref(scaler)
+        self.agreement = agreement
         self.home = home
-        self.kernels = Kernels()
+        self.book = IterationBook(step=home.host.counters.steps + 1)
+        self.last: Verdict | None = None  # the last step()'s verdict
         self.last_overflow: list[NonFiniteGrad] | None = None  # None: none located yet
+        # The loss's scale and non-finite bit a CUDA graph captured step() reading: scale()
+        # outside the graph then writes each iteration's into these, in place, for its replays.
+        self.captured: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._max_retries = config.max_retries
         self._locate_overflow = config.locate_overflow
-        self._meter_every = config.underflow_every
-        self._walk = GradWalk()
-        self.fp16 = Fp16Gradients()  # which gradients the fit reads, per backward
-        # Whether this scaler has been through an agreement: every rank passes its first at the
-        # same collective, so "defer unscale_'s agreement" is decided alike everywhere.
-        self._agreed_once = False
-        self._warned = False  # that plain replicas were assumed on a stage without a loss
-        self._warned_meter = False  # that a meter step could not be read
 
-    def agree_step(self, book: IterationBook, target: object, scale: torch.Tensor) -> StepPlan:
-        """Check `target`'s gradients and agree in the one collective, for a `step()` of it:
-        fused optimizers' gradients are only checked (they unscale inside their own kernel),
-        the others' unscaled; those `unscale_()` or `clip_grad_norm_` did already are not
-        checked again, and `unscale_()`'s pending checks join the agreement.
+    def begin(self, step: int) -> None:
+        """Start the iteration that takes step number `step`."""
+        self.book = IterationBook(step=step)
+
+    # ------------------------------------------------------------------ the loss
+
+    def note_loss(self, loss: torch.Tensor, fit: bool) -> torch.Tensor:
+        """Record `loss`, which `scale()` multiplies by what this returns, the iteration's scale:
+        whether it is finite, on the device (two kernels, a third for a loss of several
+        elements, and from the second loss on: gradient accumulation counts every micro-batch),
+        written into the bit a CUDA graph reads where one was captured; the loss itself (a
+        reference), to locate a forward overflow; and (`fit`) which of its gradients form in
+        fp16. No host synchronisation."""
+        loss_scale = self.iteration_scale(loss.device)
+        book = self.book
+        book.carried |= loss.requires_grad
+        # not a loss of placeholder tensors (a pipeline schedule's shape inference: see there)
+        if "torch.distributed.pipelining" not in sys.modules or not in_pipeline_shape_inference():
+            value = loss.detach()
+            if isinstance(value, DTensor):  # a loss_parallel loss: this rank's part of it
+                value = value.to_local()
+            nonfinite = torch.isnan(value * 0)  # inf * 0 and NaN * 0 are NaN; a finite x: 0
+            nonfinite = nonfinite.reshape(()) if nonfinite.numel() == 1 else nonfinite.any()
+            if book.loss_nonfinite is not None:
+                book.loss_nonfinite |= nonfinite
+            else:
+                into = None if self.captured is None else self.captured[1]
+                book.loss_nonfinite = nonfinite if into is None else into.copy_(nonfinite)
+            book.losses.append(value)
+        if fit:  # which gradients form in fp16; each backward's, when accumulating
+            self.agreement.fp16.saw_loss(loss, book)
+        return loss_scale
+
+    def iteration_scale(self, device: torch.device) -> torch.Tensor:
+        """The iteration's copy of the live scale, made at its first loss (on `device`)."""
+        book = self.book
+        if book.loss_scale is None:
+            # A copy of the live scale, once per iteration: the iteration's gradients are
+            # divided by it even where update() moves the live one before they are stepped
+            # (the async scaler), and update() never modifies a tensor autograd saved.
+            live = self.home.at(device, loss=True).scale
+            captured = self.captured
+            book.loss_scale = live.clone() if captured is None else captured[0].copy_(live)
+        return book.loss_scale
+
+    def loss_scale(self, funcname: str, source: object) -> torch.Tensor:
+        """The scale this iteration's gradients carry: its copy, or the live scale where no loss
+        was scaled on this rank; a rank that never called `scale()` gets the state now, where
+        the gradients of `source` (an optimizer target, or a list of parameters) are.
+
+        In a pipeline only the last stage computes a loss; the others never call `scale()`,
+        yet hold the same scale (every rank does) and must check, step and update with the
+        rest ([`ScaleHome.for_gradients()`][shardscale._state.ScaleHome.for_gradients]).
+        Alone in its group, a rank without a scale raises torch's error instead: nobody else
+        can have scaled its loss.
+        """
+        book = self.book
+        if book.loss_scale is not None:
+            if device_path().capturing(book.loss_scale.device):
+                self.captured = (book.loss_scale, book.loss_nonfinite)  # the graph reads these
+            return book.loss_scale
+        if self.home.device is not None:
+            return self.home.device.scale
+        if self.agreement.exchange.world_size == 1:
+            raise RuntimeError(no_scale_message(funcname))
+        if isinstance(source, list) and source and isinstance(source[0], torch.Tensor):
+            params: Iterable[torch.Tensor] = source
+        else:
+            params = optimizer_params(leaves(source))
+        return self.home.for_gradients(grads_device(params)).scale
+
+    # ------------------------------------------------------------------ the step
+
+    def take(
+        self, optimizer: object, closure: Callable[[], Any] | None, args: Args, kwargs: Kwargs
+    ) -> Any:
+        """`scaler.step()` (see there) of an enabled scaler: what its optimizers' `step()`
+        returned (None where skipped; a list for a list), or with a `closure` the loss of its
+        last run. The closure's batch runs again at a backed-off scale where its gradients (not
+        its loss) overflowed on any rank, up to `max_retries` times; then it steps or skips as
+        agreed."""
+        if passes_itself(optimizer):
+            if closure is not None:
+                raise RuntimeError(
+                    f"step(closure=...) cannot retry {type(optimizer).__name__}: its step() "
+                    "takes grad_scaler= (torch's deprecated protocol) and reads the scale "
+                    "itself; run the closure, then step(optimizer)"
+                )
+            return self._passing_itself(optimizer, args, kwargs)
+        retries, loss = (0 if closure is None else self._max_retries), None
+        for attempt in range(retries + 1):
+            if closure is not None:  # this batch, from its start
+                self.begin(self.book.step)
+                with torch.enable_grad():
+                    loss = closure()
+            scale = self.loss_scale("step", optimizer)
+            plan = self._plan(optimizer, scale)
+            if attempt == retries or not plan.verdict.skipped():
+                break  # stepped; or out of retries: skipped
+            if plan.verdict.flags[Flag.FORWARD].item():
+                break  # a forward overflow: no scale fixes it, skipped
+            if not self.home.require("step").back_off_for_retry_(self.home.host.policy):
+                break  # the scale cannot go lower: skipped
+        results = self._run(plan, scale, args, kwargs)
+        self.last = plan.verdict
+        if closure is not None:
+            return loss
+        return results if isinstance(optimizer, (list, tuple)) else results[0]
+
+    def _passing_itself(self, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
+        """torch's deprecated protocol: call `optimizer.step(grad_scaler=scaler)`, warning.
+
+        The optimizer unscales and skips itself; what it reads back is the agreed state.
+        """
+        self.loss_scale("step", optimizer)
+        records = [self.book.record(leaf) for leaf in leaves(optimizer)]
+        warnings.warn(GRAD_SCALER_WARNING, FutureWarning, stacklevel=4)
+        result = optimizer.step(*args, **{**kwargs, "grad_scaler": self._scaler()})
+        self.last = combined(map(_VERDICT, records))
+        for record in records:
+            record.stage = Stage.STEPPED
+        return result
+
+    def _plan(self, target: object, scale: torch.Tensor) -> StepPlan:
+        """Record `target`'s leaves for a `step()` and agree in the one collective: fused
+        optimizers' gradients are only checked (they unscale inside their own kernel), the
+        others' unscaled; those `unscale_()` or `clip_grad_norm_` did already are not checked
+        again, and `unscale_()`'s pending checks join the agreement.
 
         Raises:
             RuntimeError: one of its optimizers was stepped already since the last update.
         """
-        targets, adopted = book.begin_step(steppables(target))
-        if adopted and self._locate_overflow:  # the clip's agreement knew no names
-            self._locate_if_overflowed(book, adopted)
+        targets, adopted = self.book.begin_step(steppables(target))
+        self._locate_if_overflowed(adopted)  # the clip's agreement knew no names
         records = list(chain.from_iterable(map(_LEAVES, targets)))
         unscale: list[OptimizerRecord] = []
         check: list[OptimizerRecord] = []
@@ -204,19 +495,14 @@ class Stepper:
             if record.stage is Stage.READY and record.verdict is None:
                 only_check = record.takes_scale and record.clipped is None
                 (check if only_check else unscale).append(record)
-        if unscale or check or book.pending.records:
-            self.agree(book, scale, "step", unscale=unscale, check=check)
+        if unscale or check or self.book.waiting:
+            self.agree(scale, "step", unscale=unscale, check=check)
         return StepPlan(targets, cast(Verdict, combined(map(_VERDICT, records))))
 
-    def step(
-        self, plan: StepPlan, scale: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> list[Any]:
+    def _run(self, plan: StepPlan, scale: torch.Tensor, args: Args, kwargs: Kwargs) -> list[Any]:
         """Step each of `plan`'s targets, or skip it, as agreed: fused optimizers skip on the
-        device, the others cost the one host read of the verdict.
-
-        Returns:
-            What each target's `step()` returned (None where skipped).
-        """
+        device, the others cost the one host read of the verdict. Returns what each target's
+        `step()` returned (None where skipped)."""
         results: list[Any] = []
         for target, records in plan.targets:
             verdict = cast(Verdict, combined(map(_VERDICT, records)))
@@ -231,273 +517,110 @@ class Stepper:
                 record.stage = Stage.STEPPED
         return results
 
-    def unscale(self, book: IterationBook, target: object, scale: torch.Tensor) -> None:
-        """`unscale_` of `target`'s optimizers: check and unscale, and agree at the next point
+    # ------------------------------------------------------------------ unscale_, clip, update
+
+    def unscale(self, optimizer: object) -> None:
+        """`unscale_` of `optimizer`'s leaves: check and unscale, and agree at the next point
         that needs the decision, except on this scaler's first step: there a pipeline stage that
         never scaled must agree before it modifies anything, and every rank must then issue the
         same collectives, whichever stage it holds."""
-        to_check, adopted = book.begin_unscale(steppables(target))
-        if adopted and self._locate_overflow:  # the clip's agreement knew no names
-            self._locate_if_overflowed(book, adopted)
-        if to_check and not self._agreed_once:
-            self.agree(book, scale, "unscale_", unscale=to_check)
+        scale = self.loss_scale("unscale_", optimizer)
+        to_check, adopted = self.book.begin_unscale(steppables(optimizer))
+        self._locate_if_overflowed(adopted)  # the clip's agreement knew no names
+        if to_check and not self.agreement.agreed_once:
+            self.agree(scale, "unscale_", unscale=to_check)
         elif to_check:
-            with torch.no_grad():
-                params = list(chain.from_iterable(map(_TO_CHECK, to_check)))
-                groups, has_elements = self._walk.groups(params)
-                # the meter's step: an inf-norm clip may still undo it
-                counting = self._counting(book, scale.device, None)
-                flags: Flags = {}
-                inv = self.kernels.inverse(scale)
-                checks: tuple[GradGroups, GradGroups] = (groups, {})
-                reading = self._check_local(book, checks, params, inv, flags, counting)
-            pending = book.pending
-            pending.records.extend(to_check)
-            pending.flags.extend(flags.values())
-            pending.has_elements = pending.has_elements or has_elements
-            pending.readings.append(reading)
+            flags = self.agreement.check_for_later(self.book, scale, _params_of(to_check))
+            self.book.waiting.extend(to_check)
             for record in to_check:
                 record.stage, record.local_flags = Stage.UNSCALED, flags
 
+    def clip(
+        self, params: list[torch.Tensor], max_norm: float, norm_type: float, replicas: int
+    ) -> torch.Tensor:
+        """`clip_grad_norm_` of `params` (see there): the total norm, agreed in one collective;
+        the book records what the clip unscaled and agreed, for the steps to take."""
+        # False: unscale_() ran for these already, and they are clipped as they are
+        scaled = self.book.begin_clip(params)
+        request = ClipRequest(params, max_norm, norm_type, replicas, scaled)
+        scale = self.loss_scale("clip_grad_norm_", params)
+        verdict = self.agreement.clip(self.book, scale, request)
+        if scaled:
+            self.book.clipped = ClipRecord(frozenset(map(id, params)), verdict)
+        self._settle(verdict, [])
+        return cast(torch.Tensor, verdict.total_norm)
+
+    def outcome(self, scale: torch.Tensor) -> Verdict | None:
+        """The iteration's verdict, for `update()`: `unscale_()` without a `step()` agrees now.
+        None where no optimizer was checked."""
+        if self.book.waiting:
+            self.agree(scale, "update")
+        return combined(map(_VERDICT, self.book.records.values()))
+
     def agree(
         self,
-        book: IterationBook,
         scale: torch.Tensor,
         caller: str,
         *,
         unscale: Sequence[OptimizerRecord] = (),
         check: Sequence[OptimizerRecord] = (),
     ) -> Verdict:
-        """Check the records' gradients, and agree on ONE verdict for them and for the checks
-        `unscale_` left pending.
-
-        `unscale`'s gradients are divided by the scale in place (their stage becomes UNSCALED);
-        `check`'s are only checked. On a rank that never called `scale()` (`caller` names the
-        call for the error where no rank did) nothing is modified until the group has
-        confirmed that some rank did.
-        """
-        device = scale.device
-        with torch.no_grad():
-            params = list(chain.from_iterable(map(_TO_CHECK, unscale)))
-            to_unscale, has_elements = self._walk.groups(params)
-            checked = list(chain.from_iterable(map(_TO_CHECK, check)))
-            to_check, checked_has_elements = self._walk.groups(checked)
-            counting = self._counting(book, device, None)
-            has_scale = not self.home.unconfirmed
-            # a partial clip's agreement counted its gradients' elements: ours include them
-            clipped = any(record.clipped is not None for record in (*unscale, *check))
-            has_elements = has_elements or checked_has_elements or clipped
-            ballot = self._ballot(book, device, has_elements, has_scale, None, counting)
-            inv = self.kernels.inverse(scale) if unscale else None
-            flags = {ballot.skip.device: ballot.skip}
-            unscaling = inv if has_scale else None  # unconfirmed: check now, unscale after
-            checks, everything = (to_unscale, to_check), [*params, *checked]
-            reading = self._check_local(book, checks, everything, unscaling, flags, counting)
-            verdict = self._exchange(book, ballot, flags, reading, caller, None, [*unscale, *check])
-            if not has_scale and inv is not None:  # the group confirmed a scale: unscale now
-                self.kernels.multiply_(to_unscale, inv)
-            for record in unscale:
-                record.stage = Stage.UNSCALED
+        """Agree on ONE verdict for the records' gradients (`unscale`'s are unscaled, `check`'s
+        only checked: `shardscale._check.Agreement.agree`) and the checks `unscale_` left
+        waiting; every one of those records takes it."""
+        clipped = any(record.clipped is not None for record in (*unscale, *check))
+        to_unscale, to_check = _params_of(unscale), _params_of(check)
+        verdict = self.agreement.agree(self.book, scale, caller, to_unscale, to_check, clipped)
+        for record in unscale:
+            record.stage = Stage.UNSCALED
+        self._settle(verdict, [*unscale, *check])
         return verdict
 
-    def clip(
-        self, book: IterationBook, scale: torch.Tensor | None, request: ClipRequest
-    ) -> Verdict:
-        """`clip_grad_norm_`: the norm share of the request's gradients travels with the flags
-        (and the checks `unscale_` left pending) in ONE collective; then they are clipped (and
-        unscaled, unless `unscale_` did) to the agreed global norm, and the book records what
-        was clipped, for the steps. Without a `scale` (a disabled scaler) only the norm is
-        agreed on."""
-        kernels, norm_type = self.kernels, request.norm_type
-        with torch.no_grad():
-            norms, plain, has_elements = self._walk.norm_groups(request.params, request.replicas)
-            # a disabled scaler has no scale: the gradients' device (the CPU without any)
-            device = next(iter(norms), (torch.device("cpu"),))[0] if scale is None else scale.device
-            if plain and scale is not None and not self.home.scaled_here and not self._warned:
-                world_size = self.exchange.world_size
-                self._warned = warn_plain_replicas_assumed(request.replicas, world_size)
-            counting = scale is not None and self._counting(book, device, norm_type)
-            has_scale = scale is None or not self.home.unconfirmed
-            ballot = self._ballot(book, device, has_elements, has_scale, norm_type, counting, scale)
-            unscaled = None if request.scaled else scale  # its gradients' peak is times the scale
-            wanted = scale is not None and (counting or self.home.host.policy.fit)
-            read = (book, (norms,), request.params, device)
-            reading = self._read(*read, unscaled, counting) if wanted else None
-            inv = kernels.inverse(scale) if request.scaled and scale is not None else None
-            # The norms' check raises the ballot's own slot (no kernel of its own) where a
-            # non-finite norm means a non-finite element; otherwise the elements are checked.
-            exact = exact_norm_check(norms, norm_type)
-            flags = {ballot.skip.device: ballot.skip}
-            factor = kernels.one(device) if inv is None else inv
-            kernels.local_norms_(
-                norms, norm_type, factor, flags if exact else {}, cast(torch.Tensor, ballot.norm)
-            )
-            if inv is not None and not exact:
-                kernels.check_(norms, None, flags)
-            verdict = self._exchange(book, ballot, flags, reading, "clip_grad_norm_", norm_type, [])
-            total = cast(torch.Tensor, verdict.total_norm)  # exchanged with the flags
-            kernels.clip_(norms, request.max_norm, total, inv, verdict.flags[Flag.SKIP])
-        if scale is not None and request.scaled:
-            book.clipped = ClipRecord(frozenset(map(id, request.params)), verdict)
-        return verdict
-
-    def _check_local(
-        self,
-        book: IterationBook,
-        groups: tuple[GradGroups, GradGroups],
-        params: list[torch.Tensor],
-        inv_scale: torch.Tensor | None,
-        flags: Flags,
-        counting: bool,
-    ) -> Reading | None:
-        """The local check, the same for an agreement and for `unscale_`'s deferred one: what
-        the fit and the meter read of the still-scaled gradients (of `params`), where they want
-        it; then one fused check per group of the first `groups`, which also multiplies by
-        `inv_scale` (if given), and of the second, raising `flags`."""
-        unscale, check = groups
-        wanted = counting or self.home.host.policy.fit
-        device = self.home.require("step").scale.device
-        reading = self._read(book, groups, params, device, None, counting) if wanted else None
-        self.kernels.check_(unscale, inv_scale, flags)
-        if check:
-            self.kernels.check_(check, None, flags)
-        return reading
-
-    def _read(
-        self,
-        book: IterationBook,
-        groups: tuple[GradGroups | NormGroups, ...],
-        params: list[torch.Tensor],
-        device: torch.device,
-        scale: torch.Tensor | None,
-        counting: bool,
-    ) -> Reading:
-        """What the fit and the meter read of `groups`, the gradients of `params` (times
-        `scale`, for gradients unscaled already): the largest |gradient| fp16 held where the fit
-        wants it (of those formed in fp16: `shardscale._bins.Fp16Gradients`), the counts on the
-        meter's steps (`shardscale._bins`)."""
-        fit = self.home.host.policy.fit
-        largest = self.fp16.read(groups, params, device, scale, book) if fit else None
-        return largest, counted(groups, device, scale) if counting else None
-
-    def _counting(self, book: IterationBook, device: torch.device, norm_type: float | None) -> bool:
-        """Whether this step is one of the meter's: every `underflow_every` steps (0: never),
-        where its counts can be made and travel (`shardscale._bins`)."""
-        every = self._meter_every
-        # `not step % every`: a Python bool even where torch.compile traces the step as a symbol
-        if not every or book.step % every:
-            return False
-        if counts_can_travel(device, norm_type):
-            return True
-        if not self._warned_meter:  # a meter step it cannot read: say so, once
-            self._warned_meter = True
-            warnings.warn(_METER_SKIPPED.format(step=book.step), ShardScaleWarning, stacklevel=4)
-        return False
-
-    def _ballot(
-        self,
-        book: IterationBook,
-        device: torch.device,
-        has_elements: bool,
-        has_scale: bool,
-        norm_type: float | None,
-        counting: bool,
-        scale: object = True,
-    ) -> Ballot:
-        """This rank's ballot: it holds gradient elements where `unscale_`'s pending checks did
-        too; with the norm's share where `norm_type` travels, the fit's peaks (a slot per rank
-        under a SUM) where a `scale` is, the meter's counts on its steps."""
-        summed = counting or (norm_type is not None and not math.isinf(norm_type))
-        fit = scale is not None and self.home.host.policy.fit
-        return self.exchange.ballot(
-            device,
-            has_elements=has_elements or book.pending.has_elements,
-            has_scale=has_scale,
-            loss_nonfinite=book.loss_nonfinite,
-            with_norm=norm_type is not None,
-            peaks=(self.exchange.world_size if summed else 1) if fit else 0,
-            counted=counting,
-        )
-
-    def _exchange(
-        self,
-        book: IterationBook,
-        ballot: Ballot,
-        flags: Flags,
-        reading: Reading | None,
-        caller: str,
-        norm_type: float | None,
-        records: list[OptimizerRecord],
-    ) -> Verdict:
-        """The one collective on `ballot`, with this rank's `flags` on other devices than the
-        ballot's and those of `unscale_`'s pending checks, and what the fit and the meter read
-        (this check's `reading` and the pending ones'). Then the scale is confirmed where the
-        ballot had none, and the verdict goes to `records` and the pending ones, whose overflow
-        is located where asked."""
-        pending, book.pending = book.pending, PendingCheck()
-        if ballot.peaks is not None or ballot.bins is not None:
-            _fill_readings(ballot, [reading, *pending.readings])
-        others = pending.flags  # and this rank's flags on other devices than the ballot's
-        for device, flag in flags.items():
-            if device != ballot.skip.device:
-                others.append(flag)
-        verdict = self.exchange.agree(
-            ballot, others, step=book.step, caller=caller, norm_type=norm_type
-        )
-        if ballot.peaks is not None:  # now the group's: the largest slot's, the only one of a MAX
-            largest = ballot.peaks[0] if len(ballot.peaks) == 1 else ballot.peaks.amax()
-            verdict.peak = move(power_above(largest), ballot.device)
-        if ballot.bins is not None:
-            verdict.counts = move(ballot.bins, ballot.device)
-        if not ballot.has_scale:  # the group confirmed that some rank scaled
-            self.home.confirm()
-        self._agreed_once = True
-        records = [*records, *pending.records]
-        for record in records:  # a partial clip's flag counts too
+    def _settle(self, verdict: Verdict, records: list[OptimizerRecord]) -> None:
+        """Give the agreed `verdict` to `records` and to those whose checks waited for it (a
+        partial clip's flag counts too); locate the overflow where asked."""
+        records, self.book.waiting = [*records, *self.book.waiting], []
+        for record in records:
             clipped = record.clipped
             record.verdict = verdict if clipped is None else combined((clipped.verdict, verdict))
-        if self._locate_overflow:
-            self._locate_if_overflowed(book, records)
-        return verdict
+        self._locate_if_overflowed(records)
+
+    def record_overflow(self) -> None:
+        """`scaler.record_overflow()`: the step just taken reads as skipped (see there).
+
+        Raises:
+            RuntimeError: no optimizer was stepped since the last update().
+        """
+        verdicts = [record.verdict for record in self.book.records.values()]
+        if not any(verdict is not None for verdict in verdicts):
+            raise RuntimeError("record_overflow() must follow step(), and no step() was taken.")
+        for verdict in {id(v): v for v in verdicts if v is not None}.values():
+            verdict.flags[Flag.SKIP] = 1.0
+            verdict.read = True
+        self.last = combined(verdicts)
+
+    # ------------------------------------------------------------------ where it overflowed
 
     def locate_now(self, book: IterationBook, with_losses: bool) -> list[NonFiniteGrad]:
         """Where the non-finite gradients of `book`'s optimizers are (and, `with_losses`, which
         ranks' losses were non-finite), gathered from every rank: call it on every rank."""
         optimizers, losses = map(_OPTIMIZER, book.records.values()), book.losses
-        return locate_optimizers(
-            optimizers, self.exchange, book.step, losses if with_losses else []
-        )
+        exchange = self.agreement.exchange
+        return locate_optimizers(optimizers, exchange, book.step, losses if with_losses else [])
 
-    def _locate_if_overflowed(self, book: IterationBook, records: list[OptimizerRecord]) -> None:
+    def _locate_if_overflowed(self, records: list[OptimizerRecord]) -> None:
         """With `locate_overflow`: on an overflow step, find and log the non-finite gradients
         (and losses) of `records`, on every rank alike."""
-        if not records:
+        if not records or not self._locate_overflow:
             return
         verdict = cast(Verdict, records[0].verdict)
         if not verdict.skipped():  # the same on every rank
             return
         forward = bool(verdict.flags[Flag.FORWARD].item())
-        optimizers, losses = map(_OPTIMIZER, records), book.losses if forward else []
-        self.last_overflow = locate_optimizers(optimizers, self.exchange, book.step, losses)
-        log_located(book.step, self.last_overflow, forward)
-
-
-def _fill_readings(ballot: Ballot, readings: list[Reading | None]) -> None:
-    """Write this rank's readings into the ballot: the largest peak into its peak slot, the
-    counts added up into the bins (those a ballot without bins has no place for are dropped:
-    an inf-norm clip's, where the meter waits for the next of its steps)."""
-    peaks = [r[0] for r in readings if r is not None and r[0] is not None]
-    slot = ballot.peak_slot
-    if slot is not None and peaks:  # a NaN counts as an inf: an overflow, and survives a MAX
-        largest = (
-            peaks[0]
-            if len(peaks) == 1
-            else torch.stack([move(p, slot.device) for p in peaks]).amax()
-        )
-        torch.nan_to_num(move(largest, slot.device), nan=math.inf, posinf=math.inf, out=slot)
-    counts = [r[1] for r in readings if r is not None and r[1] is not None]
-    if ballot.bins is not None and counts:
-        torch.sum(torch.stack([move(c, ballot.bins.device) for c in counts]), 0, out=ballot.bins)
+        optimizers, losses = map(_OPTIMIZER, records), self.book.losses if forward else []
+        step, exchange = self.book.step, self.agreement.exchange
+        self.last_overflow = locate_optimizers(optimizers, exchange, step, losses)
+        log_located(step, self.last_overflow, forward)
 
 
 def _step_target(
@@ -505,8 +628,8 @@ def _step_target(
     records: list[OptimizerRecord],
     found_inf: torch.Tensor,
     scale: torch.Tensor,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    args: Args,
+    kwargs: Kwargs,
 ) -> Any:
     """Step `target`, handing every fused optimizer in it the scale and the agreed flag.
 

@@ -7,20 +7,18 @@ share ONE flag tensor in ONE all-reduce per step; everything after that (the ski
 policy maths) is a deterministic function of the agreed flags.
 
 One step, as the code runs it: `scale()` multiplies the loss by a copy of the scale and notes
-on the device whether the loss is finite; `step()` has the
-[`Stepper`][shardscale._stepping.Stepper] agree on it
-([`agree_step`][shardscale._stepping.Stepper.agree_step]: it walks the local gradients,
-`shardscale._grads`, checks and unscales them in one fused pass per (device, dtype),
-`shardscale._check`, and agrees in the one collective, `shardscale._exchange`), then run the plan
-it returns (step, or skip); `update()` counts the step and moves the scale on the device
+on the device whether the loss is finite; `step()` hands the optimizer to the scaler's
+[`Steps`][shardscale._stepping.Steps], the one room of a step's bookkeeping: it records the
+optimizer in the iteration's [`IterationBook`][shardscale._stepping.IterationBook], hands the
+gradients still to check to the [`Agreement`][shardscale._check.Agreement] (which walks
+them, `shardscale._grads`, checks and unscales them in one fused pass per (device, dtype),
+`shardscale._check`, and agrees in the one collective, `shardscale._exchange`), then steps or
+skips as agreed; `update()` counts the step and moves the scale on the device
 (`shardscale._state`, `shardscale._policy`) and tells whoever listens (`shardscale._report`).
-The iteration's records are its [`IterationBook`][shardscale._state.IterationBook].
 """
 
 from __future__ import annotations
 
-import inspect
-import operator
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
@@ -32,12 +30,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
 from shardscale import _compat
-from shardscale._check import check_clip_args
+from shardscale._check import Agreement, ClipRequest, check_clip_args
 from shardscale._checkpoint import parse_state_dict, state_numbers, to_state_dict
 from shardscale._config import DEFAULT, ScalerConfig, warn_unused_by_the_fit
-from shardscale._errors import ShardScaleWarning, no_scale_message
-from shardscale._exchange import Exchange, Flag, Verdict, combined
-from shardscale._grads import grads_device, move, plain_replicas
+from shardscale._errors import ShardScaleWarning
+from shardscale._exchange import Exchange
+from shardscale._grads import move, plain_replicas
 from shardscale._locate import NonFiniteGrad
 from shardscale._policy import ScalePolicy
 from shardscale._report import (
@@ -48,20 +46,11 @@ from shardscale._report import (
     stats_from,
     stats_of,
 )
-from shardscale._state import (
-    Counters,
-    IterationBook,
-    ScaleHome,
-    ScalerState,
-    Stage,
-    device_path,
-    optimizer_params,
-)
-from shardscale._stepping import ClipRequest, OptimizerTarget, Stepper, leaves
+from shardscale._state import Counters, ScaleHome, ScalerState
+from shardscale._stepping import OptimizerTarget, Steps
 
 __all__ = ["ShardedGradScaler"]
 
-_VERDICT = operator.attrgetter("verdict")
 _DISABLED_HOOK = (
     "register_stats_hook() on a disabled scaler: it counts no step, so the hook never runs"
 )
@@ -230,17 +219,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
         self._enabled = enabled
         # The state on the host until the first scale() (or step) puts it on a device.
         self._home = ScaleHome(state)
-        # The one owner of the process group and its collectives: the stepper's exchange.
+        # The one owner of the process group and its collectives: the agreement's exchange.
         exchange = Exchange(config.process_group, config.sync_timeout)
-        self._stepper = Stepper(exchange, self._home, config)
+        self._agreement = Agreement(exchange, self._home, config)
+        # The iterations' bookkeeping; the step number, counted on the host too (the device
+        # counts the steps for replayed graphs), names the step in messages without a read.
+        self._steps = Steps(self, self._agreement, self._home, config)
         self._reporter = StepReporter(config.max_consecutive_skips, config.max_overflows_at_floor)
-        # The iteration under way; its step number, counted on the host too (the device counts
-        # the steps for replayed graphs), names the step in messages without a read.
-        self._book = IterationBook(step=state.counters.steps + 1)
-        self._last: Verdict | None = None  # the last step()'s verdict
-        # The loss's scale and non-finite bit a CUDA graph captured step() reading: scale()
-        # outside the graph then writes each iteration's into these, in place, for its replays.
-        self._captured: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     # ------------------------------------------------------------------ settings
 
@@ -252,7 +237,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
     @property
     def process_group(self) -> dist.ProcessGroup | None:
         """The group whose ranks agree (None: the default group)."""
-        return self._stepper.exchange.process_group
+        return self._agreement.exchange.process_group
 
     def is_enabled(self) -> bool:
         """Return whether this scaler scales and checks (False: every method is a no-op)."""
@@ -323,24 +308,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 f"scale() got a tensor on {outputs.device}, but this scaler was built with "
                 f"device={device_type!r}; pass the loss's device, or leave device unset"
             )
-        loss_scale = self._iteration_scale(outputs.device)
-        self._book.carried |= outputs.requires_grad
-        self._book.note_loss(outputs, into=None if self._captured is None else self._captured[1])
-        if self.policy.fit:  # which gradients form in fp16; each backward's, when accumulating
-            self._stepper.fp16.saw_loss(outputs, self._book)
+        loss_scale = self._steps.note_loss(outputs, fit=self.policy.fit)
         return (outputs * move(loss_scale, outputs.device)).to(outputs.dtype)
-
-    def _iteration_scale(self, device: torch.device) -> torch.Tensor:
-        """The iteration's copy of the live scale, made at its first loss (on `device`)."""
-        book = self._book
-        if book.loss_scale is None:
-            # A copy of the live scale, once per iteration: the iteration's gradients are
-            # divided by it even where update() moves the live one before they are stepped
-            # (the async scaler), and update() never modifies a tensor autograd saved.
-            live = self._home.at(device, loss=True).scale
-            captured = self._captured
-            book.loss_scale = live.clone() if captured is None else captured[0].copy_(live)
-        return book.loss_scale
 
     def loss_scale_tensor(self, device: str | torch.device | None = None) -> torch.Tensor:
         """The scale this iteration's losses are multiplied by: a float32 scalar tensor, read
@@ -373,8 +342,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         target = torch.device(device if device is not None else where)
         if not self._enabled:
             return torch.ones((), dtype=torch.float32, device=target)
-        self._book.carried = True
-        return move(self._iteration_scale(torch.device(where)), target)
+        self._steps.book.carried = True
+        return move(self._steps.iteration_scale(torch.device(where)), target)
 
     def _scale_iterable(self, outputs: Iterable[Any]) -> Iterable[Any]:
         """`scale()` of (nested) lists and tuples of tensors, and of other iterables, lazily."""
@@ -406,7 +375,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 [`update()`][update]; or no rank holds a gradient for it.
         """
         if self._enabled:
-            self._stepper.unscale(self._book, optimizer, self._loss_scale("unscale_", optimizer))
+            self._steps.unscale(optimizer)
 
     def step(
         self,
@@ -451,53 +420,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
         Raises:
             RuntimeError: step() already ran since [`update()`][update].
         """
+        if self._enabled:
+            return self._steps.take(optimizer, closure, args, kwargs)
+        loss = None if closure is None else closure()
         listed = isinstance(optimizer, (list, tuple))
-        if not self._enabled:
-            loss = None if closure is None else closure()
-            targets: list[Any] = list(optimizer) if listed else [optimizer]  # type: ignore[arg-type]
-            results = [target.step(*args, **kwargs) for target in targets]
-            return loss if closure is not None else (results if listed else results[0])
-        if closure is not None:
-            return self._step_with_closure(optimizer, closure, args, kwargs)
-        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
-        if fused and passes_itself(optimizer):
-            return self._step_passing_itself(cast(torch.optim.Optimizer, optimizer), args, kwargs)
-        scale = self._loss_scale("step", optimizer)
-        plan = self._stepper.agree_step(self._book, optimizer, scale)
-        results = self._stepper.step(plan, scale, args, kwargs)
-        self._last = plan.verdict
-        return results if listed else results[0]
-
-    def _step_with_closure(
-        self,
-        optimizer: OptimizerTarget,
-        closure: Callable[[], Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """`step(closure=...)`: run the batch, and run it again at a backed-off scale where its
-        gradients (not its loss) overflowed on any rank, up to `max_retries` times; then step
-        or skip as agreed. Returns the loss of the closure's last run."""
-        if passes_itself(optimizer):
-            raise RuntimeError(
-                f"step(closure=...) cannot retry {type(optimizer).__name__}: its step() takes "
-                "grad_scaler= (torch's deprecated protocol) and reads the scale itself; run "
-                "the closure, then step(optimizer)"
-            )
-        for attempt in range(self._config.max_retries + 1):
-            self._book = IterationBook(step=self._book.step)  # this batch, from its start
-            with torch.enable_grad():
-                loss = closure()
-            scale = self._loss_scale("step", optimizer)
-            plan = self._stepper.agree_step(self._book, optimizer, scale)
-            retry = attempt < self._config.max_retries and plan.verdict.skipped()
-            if not retry or plan.verdict.flags[Flag.FORWARD].item():
-                break  # stepped; or out of retries, or a forward overflow: skipped
-            if not self._home.require("step").back_off_for_retry_(self.policy):
-                break  # the scale cannot go lower: skipped
-        self._stepper.step(plan, scale, args, kwargs)
-        self._last = plan.verdict
-        return loss
+        targets: list[Any] = list(optimizer) if listed else [optimizer]  # type: ignore[arg-type]
+        results = [target.step(*args, **kwargs) for target in targets]
+        return loss if closure is not None else (results if listed else results[0])
 
     def clip_grad_norm_(
         self,
@@ -548,15 +477,11 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """
         max_norm, norm_type = check_clip_args(max_norm, norm_type)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        replicas = plain_replicas(replica_group, self._stepper.exchange.world_size)
-        if not self._enabled:
-            request = ClipRequest(params, max_norm, norm_type, replicas, scaled=False)
-            return cast(torch.Tensor, self._stepper.clip(self._book, None, request).total_norm)
-        # False: unscale_() ran for these already, and they are clipped as they are
-        scaled = self._book.begin_clip(params)
-        request = ClipRequest(params, max_norm, norm_type, replicas, scaled)
-        scale = self._loss_scale("clip_grad_norm_", params)
-        return cast(torch.Tensor, self._stepper.clip(self._book, scale, request).total_norm)
+        replicas = plain_replicas(replica_group, self._agreement.exchange.world_size)
+        if self._enabled:
+            return self._steps.clip(params, max_norm, norm_type, replicas)
+        request = ClipRequest(params, max_norm, norm_type, replicas, scaled=False)
+        return cast(torch.Tensor, self._agreement.clip(self._steps.book, None, request).total_norm)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Move the scale: back off if any optimizer skipped, grow after enough clean steps.
@@ -583,10 +508,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return
-        state, book, policy = self._home.require("update"), self._book, self._home.host.policy
-        if book.pending.records:  # unscale_() without step(): agree on it now
-            self._stepper.agree(book, state.scale, "update")
-        verdict = combined(map(_VERDICT, book.records.values()))
+        state, book, policy = self._home.require("update"), self._steps.book, self._home.host.policy
+        verdict = self._steps.outcome(state.scale)  # unscale_() without step() agrees now
         if new_scale is None and verdict is None:
             raise RuntimeError("No inf checks were recorded prior to update.")
         manual = None if new_scale is None else policy.new_scale_tensor(new_scale)
@@ -603,41 +526,14 @@ class ShardedGradScaler(torch.amp.GradScaler):
                     alarm = reporter.after_update(state, policy, taken, read)
             elif manual is not None:
                 state.scale.copy_(manual)
-            self._book = IterationBook(step=taken + 1)
+            self._steps.begin(taken + 1)
         verify_every = self._config.verify_every
         if verify_every and verdict is not None and taken % verify_every == 0:
             self.verify_agreement()
         if alarm is not None:  # every rank alike: it names the parameters, with one gather
             losses = alarm in (Alarm.LOSS_STREAK, Alarm.SKIP_LIMIT)
-            located = self._stepper.locate_now(book, with_losses=losses)
+            located = self._steps.locate_now(book, with_losses=losses)
             self._reporter.sound(alarm, located, taken, policy, float(state.scale.item()))
-
-    def _loss_scale(
-        self, funcname: str, source: Iterable[torch.optim.Optimizer] | list[torch.Tensor] | object
-    ) -> torch.Tensor:
-        """The scale this iteration's gradients carry: its copy, or the live scale where no loss
-        was scaled on this rank; a rank that never called `scale()` gets the state now.
-
-        In a pipeline only the last stage computes a loss; the others never call `scale()`,
-        yet hold the same scale (every rank does) and must check, step and update with the
-        rest: their state goes where their gradients are ([`ScaleHome.for_gradients()`][]).
-        Alone in its group, a rank without a scale raises torch's error instead: nobody else
-        can have scaled its loss.
-        """
-        book = self._book
-        if book.loss_scale is not None:
-            if device_path().capturing(book.loss_scale.device):
-                self._captured = (book.loss_scale, book.loss_nonfinite)  # the graph reads these
-            return book.loss_scale
-        if self._home.device is not None:
-            return self._home.device.scale
-        if self._stepper.exchange.world_size == 1:
-            raise RuntimeError(no_scale_message(funcname))
-        if isinstance(source, list) and source and isinstance(source[0], torch.Tensor):
-            params: Iterable[torch.Tensor] = source
-        else:
-            params = optimizer_params(leaves(source))
-        return self._home.for_gradients(grads_device(params)).scale
 
     def record_overflow(self) -> None:
         """Take an overflow that a check outside this scaler found, for the step just taken.
@@ -652,15 +548,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         Raises:
             RuntimeError: no optimizer was stepped since the last update().
         """
-        if not self._enabled:
-            return
-        verdicts = [record.verdict for record in self._book.records.values()]
-        if not any(verdict is not None for verdict in verdicts):
-            raise RuntimeError("record_overflow() must follow step(), and no step() was taken.")
-        for verdict in {id(v): v for v in verdicts if v is not None}.values():
-            verdict.flags[Flag.SKIP] = 1.0
-            verdict.read = True
-        self._last = combined(verdicts)
+        if self._enabled:
+            self._steps.record_overflow()
 
     # ------------------------------------------------------------------ what happened
 
@@ -672,7 +561,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         Free after a non-fused step (its decision was already read); after a fused step,
         reading it costs one host synchronisation on an accelerator.
         """
-        last = self._last
+        last = self._steps.last
         if last is None:
             return None
         if last.read is not None:  # the step read it
@@ -723,7 +612,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         (nothing is looked for; [`find_nonfinite_grads()`][shardscale.find_nonfinite_grads]
         looks once), or before the first overflow step. Reading it never communicates.
         """
-        located = self._stepper.last_overflow
+        located = self._steps.last_overflow
         return None if located is None else list(located)
 
     def get_scale(self) -> float:
@@ -747,12 +636,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
             ShardScaleDistributedError: the ranks differ; the message lists every rank's values
                 for each field that differs. Or a rank did not arrive within `sync_timeout`.
         """
-        if not self._enabled or self._stepper.exchange.world_size == 1:
+        if not self._enabled or self._agreement.exchange.world_size == 1:
             return
         numbers = state_numbers(self._home.read())
         values = torch.tensor(list(numbers.values()), dtype=torch.float64)
         device = self._home.device.scale.device if self._home.device is not None else values.device
-        self._stepper.exchange.compare(values.to(device), list(numbers), self._book.step - 1)
+        taken = self._steps.book.step - 1  # the steps taken so far
+        self._agreement.exchange.compare(values.to(device), list(numbers), taken)
 
     # ------------------------------------------------------------------ state
 
@@ -798,7 +688,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return
-        if self._book.midway():
+        if self._steps.book.midway():
             raise RuntimeError(
                 "A GradScaler state may only be loaded at the beginning of an iteration, or at "
                 "the end after scaler.update(): this iteration's gradients carry the scale it "
@@ -811,13 +701,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
             warnings.warn(differing, ShardScaleWarning, stacklevel=2)
         self._home.load(state)
         if not self.policy.fit:  # a fit switched off takes its reader's hooks with it
-            self._stepper.fp16.close()
+            self._agreement.fp16.close()
         self._reporter.restart(state.counters)
-        self._book.step = state.counters.steps + 1
-        self._book.loss_scale = None  # the next loss takes the loaded scale (none carries it)
+        self._steps.book.step = state.counters.steps + 1
+        self._steps.book.loss_scale = None  # the next loss takes the loaded scale
 
     def __getstate__(self) -> dict[str, Any]:
-        if self._book.records:
+        if self._steps.book.records:
             raise RuntimeError(
                 "A GradScaler instance may only be pickled at the beginning "
                 "of an iteration, or at the end after scaler.update()."
@@ -867,7 +757,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         this rank's own, with a warning (a read never communicates: docs/migration.md). After
         `update()` it is empty, as torch's.
         """
-        return _compat.OptimizerStates(self._book)
+        return _compat.OptimizerStates(self._steps.book)
 
     _growth_factor = _compat.torch_alias("get_growth_factor", "set_growth_factor")
     _backoff_factor = _compat.torch_alias("get_backoff_factor", "set_backoff_factor")
@@ -894,32 +784,3 @@ class ShardedGradScaler(torch.amp.GradScaler):
     # torch's helper, the step body of scalers written on torch.amp (`unscale_`, then this):
     # here `step()` itself, so the group's agreement decides on every rank (_compat)
     _maybe_opt_step = _compat.maybe_opt_step
-
-    def _step_passing_itself(
-        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """torch's deprecated protocol: call `optimizer.step(grad_scaler=self)`, warning.
-
-        The optimizer unscales and skips itself; what it reads back is the agreed state.
-        """
-        self._loss_scale("step", optimizer)
-        records = [self._book.record(leaf) for leaf in leaves(optimizer)]
-        warnings.warn(_compat.GRAD_SCALER_WARNING, FutureWarning, stacklevel=3)
-        result = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
-        self._last = combined(map(_VERDICT, records))
-        for record in records:
-            record.stage = Stage.STEPPED
-        return result
-
-
-def passes_itself(optimizer: object) -> bool:
-    """Whether torch's scalers would call `optimizer.step(grad_scaler=scaler)`: it declares
-    `_step_supports_amp_scaling` and its `step()` has a `grad_scaler` parameter (inspected on
-    every step, as torch does, but only for optimizers that declare the first)."""
-    step = getattr(optimizer, "step", None)
-    if not getattr(optimizer, "_step_supports_amp_scaling", False) or step is None:
-        return False
-    try:
-        return "grad_scaler" in inspect.signature(step).parameters
-    except (TypeError, ValueError):  # a builtin without a signature
-        return False

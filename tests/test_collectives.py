@@ -526,7 +526,7 @@ def test_verify_agreement_of_a_device_state_costs_two_transfers(
     from shardscale import ShardedGradScaler
 
     scaler = ShardedGradScaler(init_scale=8.0)
-    scaler._stepper.exchange = _agreement(None, _Group(["meta"]))
+    scaler._agreement.exchange = _agreement(None, _Group(["meta"]))
     scaler._home.at(META)
     with _Transfers() as transfers:
         scaler.verify_agreement()
