@@ -38,8 +38,8 @@ from shardscale.scaler import ShardedGradScaler
 __all__ = ["TESTED_VERSIONS", "use_shardscale"]
 
 TESTED_VERSIONS = ("0.19.8",)
-"""The DeepSpeed releases the suite runs this module on (it was written against 0.19.7 too:
-its stage 3 never resets `overflow` on this path, which `_step` does)."""
+"""The DeepSpeed releases CI runs this module's tests on. 0.19.7 passed them once by hand
+(docs/deepspeed.md#tested); its stage 3 never resets `overflow` on this path, which `_step` does."""
 
 
 class _SavedScale:
