@@ -224,20 +224,41 @@ def maybe_opt_step(
     return scaler.step(optimizer, *args, **kwargs)
 
 
-def torch_view(instead: str) -> Callable[[Callable[[Any], Any]], Any]:
-    """A read-only property under one of torch's private names; assigning it raises, saying
-    what to use instead (it mirrors the agreed state, which only the protocol moves)."""
+def torch_view(name: str, read: Callable[[Any], Any], instead: str) -> property:
+    """A read-only property under torch's private `name`; assigning it raises, saying what to
+    use `instead` (it mirrors the agreed state, which only the protocol moves)."""
 
-    def make(read: Callable[[Any], Any]) -> property:
-        def refuse(self: Any, value: object) -> NoReturn:
-            raise AttributeError(
-                f"{type(self).__name__}.{read.__name__} mirrors shardscale's agreed state and "
-                f"cannot be assigned; use {instead}"
-            )
+    def refuse(scaler: Any, value: object) -> NoReturn:
+        raise AttributeError(
+            f"{type(scaler).__name__}.{name} mirrors shardscale's agreed state and cannot be "
+            f"assigned; use {instead}"
+        )
 
-        return property(read, refuse, doc=read.__doc__)
+    return property(read, refuse, doc=read.__doc__)
 
-    return make
+
+def growth_tracker_tensor(scaler: Any) -> torch.Tensor | None:
+    """The int32 growth tracker tensor (None before the first `scale()`), as torch's."""
+    return None if scaler._home.device is None else scaler._home.device.growth_tracker
+
+
+def device_type(scaler: Any) -> str:
+    """The device type (accelerate reads it on resume)."""
+    if scaler._home.device is not None:
+        return str(scaler._home.device.scale.device.type)
+    return scaler._config.device or "cpu"
+
+
+def optimizer_states(scaler: Any) -> OptimizerStates:
+    """Per `id(optimizer)`: `{"stage": OptState, "found_inf_per_device": {device: flag}}`.
+
+    A read-only view of this iteration, built when read: after `step()` the flag is the
+    AGREED one, so `sum(v.item() for v in ...["found_inf_per_device"].values())` says
+    whether the step was skipped, alike on every rank; between `unscale_()` and `step()`
+    this rank's own, with a warning (a read never communicates: docs/migration.md). After
+    `update()` it is empty, as torch's.
+    """
+    return OptimizerStates(scaler._steps.book)
 
 
 def start_value(field: str) -> Any:
@@ -266,3 +287,40 @@ def torch_alias(getter: str, setter: str) -> Any:
         lambda self, value: getattr(self, setter)(value),
         doc=f"`{getter}()`; writing it is `{setter}()` (checked).",
     )
+
+
+def answer_torchs_members(scaler_class: type) -> None:
+    """Give `scaler_class` (`ShardedGradScaler`) torch's private members, each answered here.
+
+    Public code reads them (skip detection sums `_per_optimizer_states[id(opt)]
+    ["found_inf_per_device"]`, trainers call `_found_inf_per_device`, optimizers of the
+    deprecated `grad_scaler=` protocol call `_check_inf_per_device`, accelerate sets up FSDP2
+    through `_lazy_init_scale_growth_tracker`). They are set on the class from here, not written
+    in its body, so that the class reads as its public API and keeps torch's base alone.
+    """
+    views = {
+        "_scale": (get_scale_async, "update(new_scale=...) or load_state_dict()"),
+        "_growth_tracker": (growth_tracker_tensor, "load_state_dict()"),
+        "_device": (device_type, "the device argument, or the first loss's device"),
+        "_per_optimizer_states": (optimizer_states, "unscale_(), step() and update()"),
+    }
+    members: dict[str, Any] = {
+        name: torch_view(name, read, instead) for name, (read, instead) in views.items()
+    }
+    members |= {
+        "_growth_factor": torch_alias("get_growth_factor", "set_growth_factor"),
+        "_backoff_factor": torch_alias("get_backoff_factor", "set_backoff_factor"),
+        "_growth_interval": torch_alias("get_growth_interval", "set_growth_interval"),
+        "_init_scale": start_value("scale"),
+        "_init_growth_tracker": start_value("growth_tracker"),
+        "_get_scale_async": get_scale_async,
+        "_get_growth_tracker": get_growth_tracker,
+        "_found_inf_per_device": found_inf_per_device,
+        "_check_inf_per_device": check_inf_per_device,
+        "_unscale_grads_": unscale_grads,
+        "_check_scale_growth_tracker": check_scale_growth_tracker,
+        "_lazy_init_scale_growth_tracker": lazy_init_scale_growth_tracker,
+        "_maybe_opt_step": maybe_opt_step,
+    }
+    for name, member in members.items():
+        setattr(scaler_class, name, member)

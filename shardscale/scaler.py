@@ -63,10 +63,11 @@ class ShardedGradScaler(torch.amp.GradScaler):
     `torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`, with the same methods,
     call-order errors and state-dict keys. It is a `torch.amp.GradScaler` (scripts guard
     resume and clipping with that `isinstance`), built without torch's `__init__`: every
-    method and attribute of torch's class is defined here, on our state, and the private
-    members public code reads (`_per_optimizer_states`, `_found_inf_per_device`, `_scale`
-    ...) answer with the agreed state (between `unscale_()` and the call that agrees on it,
-    this rank's own flag, with a warning; docs/migration.md lists them).
+    public method and attribute of torch's class is defined here, on our state, and the
+    private members public code reads (`_per_optimizer_states`, `_found_inf_per_device`,
+    `_scale` ...), set on the class from `shardscale._compat`, answer with the agreed state
+    (between `unscale_()` and the call that agrees on it, this rank's own flag, with a warning;
+    docs/migration.md lists them).
 
     Each rank checks its local gradient shards (plain, DDP, FSDP1 flat parameters,
     FSDP2/DTensor, CPU-offloaded, sparse) for inf/NaN, and the ranks agree in one all-reduce
@@ -723,64 +724,6 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def __setstate__(self, pickled: dict[str, Any]) -> None:
         self._setup(pickled["config"], pickled["enabled"], pickled["state"])
 
-    # ------------------------------------------------------------------ torch's private members
-    # Public code reads them (skip detection sums `_per_optimizer_states[id(opt)]
-    # ["found_inf_per_device"]`, trainers call `_found_inf_per_device`, optimizers of the
-    # deprecated `grad_scaler=` protocol call `_check_inf_per_device`, accelerate sets up FSDP2
-    # through `_lazy_init_scale_growth_tracker`): each answers with what the group AGREED, and
-    # costs nothing on a step nobody reads it.
 
-    @_compat.torch_view("update(new_scale=...) or load_state_dict()")
-    def _scale(self) -> torch.Tensor | None:
-        """The live scale tensor (None before the first `scale()`): in-place writes set it."""
-        return _compat.get_scale_async(self)
-
-    @_compat.torch_view("load_state_dict()")
-    def _growth_tracker(self) -> torch.Tensor | None:
-        """The int32 growth tracker tensor (None before the first `scale()`), as torch's."""
-        return None if self._home.device is None else self._home.device.growth_tracker
-
-    @_compat.torch_view("the device argument, or the first loss's device")
-    def _device(self) -> str:
-        """The device type (accelerate reads it on resume)."""
-        if self._home.device is not None:
-            return self._home.device.scale.device.type
-        return self._config.device or "cpu"
-
-    @_compat.torch_view("unscale_(), step() and update()")
-    def _per_optimizer_states(self) -> _compat.OptimizerStates:
-        """Per `id(optimizer)`: `{"stage": OptState, "found_inf_per_device": {device: flag}}`.
-
-        A read-only view of this iteration, built when read: after `step()` the flag is the
-        AGREED one, so `sum(v.item() for v in ...["found_inf_per_device"].values())` says
-        whether the step was skipped, alike on every rank; between `unscale_()` and `step()`
-        this rank's own, with a warning (a read never communicates: docs/migration.md). After
-        `update()` it is empty, as torch's.
-        """
-        return _compat.OptimizerStates(self._steps.book)
-
-    _growth_factor = _compat.torch_alias("get_growth_factor", "set_growth_factor")
-    _backoff_factor = _compat.torch_alias("get_backoff_factor", "set_backoff_factor")
-    _growth_interval = _compat.torch_alias("get_growth_interval", "set_growth_interval")
-
-    # where the state starts when put on a device (torch's meaning: set by the constructor and
-    # `load_state_dict`; later steps do not change them); writing them is checked
-    _init_scale = _compat.start_value("scale")
-    _init_growth_tracker = _compat.start_value("growth_tracker")
-
-    # torch's private accessors and checks, answered in `_compat` from the agreed state
-    _get_scale_async = _compat.get_scale_async
-    _get_growth_tracker = _compat.get_growth_tracker
-    _found_inf_per_device = _compat.found_inf_per_device
-    _check_inf_per_device = _compat.check_inf_per_device
-
-    # torch's local unscale-and-check, on our gradient walk (`allow_fp16` defaults to True, as
-    # in torch's ShardedGradScaler): a method of ours, written in `_compat`
-    _unscale_grads_ = _compat.unscale_grads
-
-    _check_scale_growth_tracker = _compat.check_scale_growth_tracker
-    _lazy_init_scale_growth_tracker = _compat.lazy_init_scale_growth_tracker
-
-    # torch's helper, the step body of scalers written on torch.amp (`unscale_`, then this):
-    # here `step()` itself, so the group's agreement decides on every rank (_compat)
-    _maybe_opt_step = _compat.maybe_opt_step
+# torch's private members, answered apart from the public class (docs/migration.md's table)
+_compat.answer_torchs_members(ShardedGradScaler)

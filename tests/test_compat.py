@@ -3,8 +3,10 @@ groups and the ``step(grad_scaler=...)`` protocol, answered from the agreed stat
 
 from __future__ import annotations
 
+import inspect
 import math
 import pickle
+import re
 import warnings
 from typing import Any
 
@@ -90,6 +92,21 @@ def test_torch_grad_scaler_members_every_one_defined_by_shardscale(
         if not owner.__module__.startswith("shardscale"):
             inherited.append(f"{name} (from {owner.__module__}.{owner.__qualname__})")
     assert not inherited, f"torch's members not defined by {cls.__name__}: {inherited}"
+
+
+def test_torch_private_members_set_from_compat_not_written_in_the_class_body() -> None:
+    """The scaler's class body reads as its public API: torch's private members are set on the
+    class from `shardscale._compat`'s table, not written in it, and its only base is torch's
+    (no shardscale mixin for the API page to show)."""
+    assert ShardedGradScaler.__bases__ == (torch.amp.GradScaler,)
+    torchs = set(dir(torch.amp.GradScaler)) | set(vars(torch.amp.GradScaler("cpu")))
+    private = {name for name in torchs if name.startswith("_") and not name.startswith("__")}
+    body = inspect.getsource(ShardedGradScaler)
+    written = [name for name in private if re.search(rf"^    (def )?{name}\b", body, re.M)]
+    assert not written, written
+    # each is set on the class (the table's) or an instance's own attribute (`_enabled`)
+    unanswered = private - set(vars(ShardedGradScaler)) - set(vars(ShardedGradScaler()))
+    assert not unanswered, sorted(unanswered)
 
 
 @pytest.mark.parametrize("cls", SCALERS)
