@@ -418,7 +418,10 @@ class Exchange:
         Two collectives (the sizes, then the padded bytes), each bounded like the agreement, on
         the group's communication device for the first accelerator among `near` (the devices
         of the tensors `obj` describes: this rank's own, never the current device's guess), else
-        for the CPU; two host transfers, whatever the world size.
+        for the CPU; two host transfers, whatever the world size. Not torch's
+        `all_gather_object`, which does the same two collectives: it cannot be bounded (it
+        waits synchronously, for the group's own timeout, 30 minutes by default on gloo), and
+        on an accelerator backend it gathers on the current device, the guess `near` avoids.
         """
         if self.world_size == 1:
             return [obj]
