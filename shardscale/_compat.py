@@ -100,7 +100,7 @@ def flags_of(records: list[OptimizerRecord]) -> ReadOnlyDict:
     """`{device: flag}` of `records`, as torch's states hold it: the agreed flag once the group
     agreed; before, between `unscale_()` and its agreement, this rank's own (with a warning);
     empty where none was checked."""
-    local = [r.local_flags for r in records if r.verdict is None and r.local_flags is not None]
+    local = [flags for flags in map(OptimizerRecord.waiting_flags, records) if flags is not None]
     agreed = combined(record.verdict for record in records)
     flags = {} if agreed is None else {agreed.found_inf.device: agreed.found_inf}
     for device, flag in ((d, f) for piece in local for d, f in piece.items()):

@@ -103,6 +103,11 @@ class OptimizerRecord:
     local_flags: dict[torch.device, torch.Tensor] | None = None
     clipped: ClipRecord | None = None
 
+    def waiting_flags(self) -> dict[torch.device, torch.Tensor] | None:
+        """What `unscale_()` found here while the agreement on it is still to come (None: not
+        checked by `unscale_()`, or agreed)."""
+        return self.local_flags if self.verdict is None else None
+
     def params_to_check(self) -> Iterator[torch.Tensor]:
         """Its parameters whose gradients still carry the scale: all, less a partial clip's."""
         params = optimizer_params((self.optimizer,))
@@ -124,8 +129,8 @@ class IterationBook:
         loss_scale: The scale this iteration's losses were multiplied by, a copy of the live one
             made at its first `scale()` (None: not yet, or never on this rank: a pipeline stage that
             computes no loss, which takes the live one); its gradients are divided by exactly this.
-        pending: The local checks of `unscale_()` that await the agreement; `waiting`, their
-            optimizers' records, which take its verdict.
+        pending: The local checks of `unscale_()` that await the agreement (their optimizers'
+            records, which take its verdict: [`waiting()`][waiting]).
         loss_nonfinite: bool scalar: some loss `scale()` multiplied in this iteration was inf or NaN
             (None: none was scaled on this rank).
         losses: The losses themselves (detached), to locate a forward overflow.
@@ -140,7 +145,6 @@ class IterationBook:
     records: dict[int, OptimizerRecord] = field(default_factory=dict)
     clipped: ClipRecord | None = None
     pending: PendingCheck = field(default_factory=PendingCheck)
-    waiting: list[OptimizerRecord] = field(default_factory=list)
     loss_nonfinite: torch.Tensor | None = None
     losses: list[torch.Tensor] = field(default_factory=list)
     fit_readings: list[torch.Tensor] = field(default_factory=list)
@@ -150,6 +154,10 @@ class IterationBook:
         """Whether the iteration is under way: a backward may carry its scale, or an optimizer
         was unscaled, clipped or stepped."""
         return self.carried or bool(self.records) or self.clipped is not None
+
+    def waiting(self) -> list[OptimizerRecord]:
+        """The records whose `unscale_()` checks wait in `pending` for the agreement."""
+        return [record for record in self.records.values() if record.waiting_flags() is not None]
 
     def record(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
         """`optimizer`'s record in this iteration, made at its first call."""
@@ -495,7 +503,7 @@ class Steps:
             if record.stage is Stage.READY and record.verdict is None:
                 only_check = record.takes_scale and record.clipped is None
                 (check if only_check else unscale).append(record)
-        if unscale or check or self.book.waiting:
+        if unscale or check or self.book.waiting():
             self.agree(scale, "step", unscale=unscale, check=check)
         return StepPlan(targets, cast(Verdict, combined(map(_VERDICT, records))))
 
@@ -531,7 +539,6 @@ class Steps:
             self.agree(scale, "unscale_", unscale=to_check)
         elif to_check:
             flags = self.agreement.check_for_later(self.book, scale, _params_of(to_check))
-            self.book.waiting.extend(to_check)
             for record in to_check:
                 record.stage, record.local_flags = Stage.UNSCALED, flags
 
@@ -553,7 +560,7 @@ class Steps:
     def outcome(self, scale: torch.Tensor) -> Verdict | None:
         """The iteration's verdict, for `update()`: `unscale_()` without a `step()` agrees now.
         None where no optimizer was checked."""
-        if self.book.waiting:
+        if self.book.waiting():
             self.agree(scale, "update")
         return combined(map(_VERDICT, self.book.records.values()))
 
@@ -579,7 +586,7 @@ class Steps:
     def _settle(self, verdict: Verdict, records: list[OptimizerRecord]) -> None:
         """Give the agreed `verdict` to `records` and to those whose checks waited for it (a
         partial clip's flag counts too); locate the overflow where asked."""
-        records, self.book.waiting = [*records, *self.book.waiting], []
+        records = [*records, *self.book.waiting()]
         for record in records:
             clipped = record.clipped
             record.verdict = verdict if clipped is None else combined((clipped.verdict, verdict))
