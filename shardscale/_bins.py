@@ -1,7 +1,7 @@
 """The gradients' range, read beside the agreement: the fit's peak and the meter's 128 bins.
 
 Two features read how large the gradients are, and ride the step's one collective
-(`shardscale._exchange` carries what they read; here it is made and read back):
+(`shardscale._check`'s ballot carries what they read; here it is made and read back):
 
 * the fit (`scale_policy="fit"`): each rank's largest |scaled gradient| that fp16 had to hold,
   in one backward ([`Fp16Gradients`][]). It travels in a slot of the ballot, one per rank where

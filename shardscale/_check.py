@@ -1,79 +1,123 @@
-"""The check: this rank's gradients checked (and unscaled) in one fused pass per (device, dtype),
-and ONE collective that agrees on them with every rank; the few kernels it runs, whatever the
-gradients' layout.
+"""The check and the agreement: this rank's gradients checked (and unscaled) in one fused pass
+per (device, dtype), and ONE collective that agrees on them with every rank.
 
-Invariant: each agreement is one collective, however many optimizers, devices and dtypes hold
-the gradients; a local check that `unscale_()` makes waits in the iteration's
-[`PendingCheck`][] for the next agreement, whose collective it joins.
+Invariant: every rank of the group sees the same flags before `optimizer.step()`, after one
+collective per agreement, however many optimizers, devices and dtypes hold the gradients; a
+local check that `unscale_()` makes waits in the iteration's [`PendingCheck`][] for the next
+agreement, whose collective it joins.
 
-It works on gradients (the parameters' `.grad`, grouped by `shardscale._grads`), never on
+It works on gradients (the parameters' `.grad`, grouped by `shardscale._grads`, whose
+[`Kernels`][shardscale._grads.Kernels] check, unscale, take the norms and clip), never on
 optimizers: which optimizers a step covers, and what each went through in the iteration, is
 the bookkeeping of `shardscale._stepping`, which hands the parameters here and records the
 verdict it gets back. The [`Agreement`][] carries what a rank learns across iterations: its
-gradient walks, its kernels' constants, which gradients the fit reads, and whether it has
-agreed before.
+gradient walks, its kernels' constants, its ballots' templates, which gradients the fit reads,
+and whether it has agreed before.
 
-Unscaling and checking are one fused pass per (device, dtype) group, torch's
-`_amp_foreach_non_finite_check_and_unscale_`: it multiplies by `inv_scale` and raises a flag in
-the same pass. Measured on CPU (docs/benchmarks.md), it costs about a bare `_foreach_mul_` in fp16
-and up to ~1.5x one in fp32 (it tests element by element there). The check-only pass of fused
-optimizers uses it too, with a factor of 1, except over large CPU tensors (64Ki elements and
-more), which it reads by their sums: a float sum is finite only where every element is, and
-the sums take about two thirds of the kernel's time there (`isfinite().all()` and
-`_foreach_norm(inf)` take ~12x a multiply, `aminmax` 1.3-3x). A non-finite sum (an overflow,
-or finite elements summing past float32's range) is checked again by the kernel, so the flag is
-exact. Per tensor, a sum costs a few us more than the kernel's share: small tensors stay with
-the kernel.
+Each rank writes what it saw into ONE small float32 tensor, its *ballot*, on the group's
+communication device, and the group runs ONE `all_reduce` on it, however many devices, dtypes
+and optimizers hold the gradients:
 
-Clipping to a global norm takes two passes, whatever the layout:
+```text
+[has gradient elements, skip, forward overflow, has a scale, norm share, peaks, bins]
+```
 
-1. read: the per-tensor norms of the still-scaled gradients, unscaled and reduced to this rank's
-   share `sum |g|^p / r`, `r` being how many ranks hold those same elements (so the sum over the
-   group counts every element once; the inf-norm needs no weights, its reduction is a max).
-   A non-finite element makes its tensor's norm non-finite, so this pass is also the overflow
-   check (for p <= 2 and the inf-norm; a larger p takes one extra check pass). Scaled fp32
-   gradients can be large enough that their squares overflow float32, so a finite gradient
-   must never be taken for an overflow: on the CPU, where some norm comes out non-finite, the
-   norms are taken again in float64 (deciding that is a host read, free there; float64 norms
-   cost 8x there; a group tiling one buffer is one tensor there, `GradWalk.groups`), on an
-   accelerator every norm accumulates in float64 (a memory-bound pass either way).
-2. read+write: multiply by `inv_scale * min(1, max_norm / (total + 1e-6))`, after the agreement.
+* has gradient elements: 0 for an empty shard, or a rank that ran no backward;
+* skip: 1 if an inf or NaN is in this rank's gradients;
+* forward overflow: 1 if, besides, a loss this rank scaled in the iteration was inf or NaN (no
+  scale can help that: the step is skipped with the scale held). A non-finite loss that left
+  every gradient finite (one never backpropagated, or `loss + inf`) is no overflow;
+* has a scale: 0 for a rank that never called `scale()` (a pipeline stage before the last),
+  until the group has confirmed that some rank does;
+* norm share: this rank's part of a global gradient norm (`clip_grad_norm_` only);
+* peaks and bins: what the fit and the underflow meter read of the gradients' range (one slot for
+  the fit's largest gradient, one per rank under a SUM; 128 for the meter's counts:
+  `shardscale._bins` makes and reads them; the ballot only carries them).
 
-The small constants the kernels need (a float32 one, a float64 one, a scratch flag, `max_norm`)
-are made once per device and kept by the scaler's [`Kernels`][], never shared between scalers.
+The reduction is MAX, or SUM when a finite p-norm or counted bins travel (shares and counts add
+up; the flags then count and are clamped to 1). An inf-norm's shares need MAX: the meter waits
+for a step without one. Either way the agreed flags are exactly 0.0 or 1.0: torch's fused
+optimizers skip only when `found_inf == 1.0`, so a summed flag of 2.0 (two ranks overflowed)
+would make them step with inf gradients.
+
+Only a rank that lacks something reads the result on the host (one synchronisation): a rank
+without gradient elements asks whether anybody had some (nobody: an error on every rank
+together), a rank that never scaled asks whether anybody did. Ranks that hold gradients and a
+scale never wait for the host here. The collective itself (bounded, its failures named) is
+`shardscale._exchange`'s; without a process group, or at world size 1, none is issued.
 """
 
 from __future__ import annotations
 
 import math
-import operator
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from enum import IntEnum
+from typing import Protocol, cast
 
 import torch
+import torch.distributed as dist
 
-from shardscale._bins import Fp16Gradients, counted, counts_can_travel, power_above
+from shardscale._bins import BINS, Fp16Gradients, counted, counts_can_travel, power_above
 from shardscale._config import ScalerConfig
-from shardscale._errors import ShardScaleWarning
-from shardscale._exchange import Ballot, Exchange, Flag, Verdict
+from shardscale._errors import ShardScaleWarning, no_scale_message
+from shardscale._exchange import Exchange
 from shardscale._grads import (
+    Flags,
     GradGroups,
     GradWalk,
+    Kernels,
     NormGroups,
+    exact_norm_check,
     move,
     warn_plain_replicas_assumed,
 )
-from shardscale._state import ScaleHome
-from shardscale._torch import check_and_unscale_, foreach_mul_, foreach_norm
+from shardscale._state import Flag, ScaleHome, Verdict
 
-Groups = GradGroups | NormGroups
-# One float32 scalar per device holding gradients: 1.0 where any element was non-finite.
-Flags = dict[torch.device, torch.Tensor]
+_NO_GRADS = (
+    "No inf checks were recorded for this optimizer: none of its parameters has a gradient "
+    "on any of the {world_size} rank(s). Call scaler.scale(loss).backward() before step()."
+)
 
-_CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
-_DTYPE = operator.itemgetter(1)
+# The ballot's slots, in the order they travel (see the module); the agreed flags are a
+# `Verdict`'s, by `Flag`: its skip and forward-overflow slots.
+Slot = IntEnum("Slot", "HAS_ELEMENTS SKIP FORWARD SCALED NORM", start=0)
+
+
+@dataclass(frozen=True, slots=True)
+class Ballot:
+    """What this rank puts into the collective (see the module).
+
+    Attributes:
+        device: The scale's device, where the verdict is returned (the tensor is on the group's
+            communication device for it).
+        has_elements: What the has-elements slot says, known on the host (a rank without
+            gradient elements reads the result).
+        has_scale: What the has-a-scale slot says (False: a rank that never scaled; it reads the
+            result, and modifies nothing before).
+        skip: The skip slot (a view): the local check raises it for gradients on the ballot's
+            device, so their flag costs no kernel of its own.
+        norm: The norm slot (a view), where this rank's share of the gradient norm goes; None
+            without one.
+        loss_checked: Whether a loss's finiteness went into the forward-overflow slot.
+        peaks: The fit's slots (a view, `shardscale._bins`): this rank writes its largest
+            |scaled gradient| into `peak_slot`, its own (the only one under a MAX); None without
+            the fit. After the collective their largest is the group's.
+        peak_slot: This rank's slot among `peaks`.
+        bins: The meter's counts (a view); None off its steps. They travel in a SUM.
+    """
+
+    tensor: torch.Tensor
+    device: torch.device
+    has_elements: bool
+    has_scale: bool
+    skip: torch.Tensor
+    norm: torch.Tensor | None = None
+    loss_checked: bool = False
+    peaks: torch.Tensor | None = None
+    peak_slot: torch.Tensor | None = None
+    bins: torch.Tensor | None = None
 
 
 def check_clip_args(max_norm: float, norm_type: float) -> tuple[float, float]:
@@ -86,191 +130,6 @@ def check_clip_args(max_norm: float, norm_type: float) -> tuple[float, float]:
     if not (norm_type > 0 and not math.isnan(norm_type)):
         raise ValueError(f"norm_type must be > 0 (or math.inf), got {norm_type}")
     return float(max_norm), float(norm_type)
-
-
-def exact_norm_check(groups: NormGroups, norm_type: float) -> bool:
-    """Whether a non-finite norm means a non-finite element, and nothing else.
-
-    True for `p <= 2` and the inf-norm over gradients of at most float32 range: their float64
-    sums cannot overflow. Otherwise the caller checks the elements in an extra pass.
-    """
-    small_p = norm_type <= 2.0 or math.isinf(norm_type)
-    return small_p and torch.float64 not in map(_DTYPE, groups)
-
-
-class Kernels:
-    """A scaler's kernels over its gradient groups, and the constants they take."""
-
-    def __init__(self) -> None:
-        self._ones: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-        self._scratch: Flags = {}
-        self._max_norm: dict[torch.device, tuple[float, torch.Tensor]] = {}
-
-    def one(self, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A one on `device`, made once: for a kernel that wants a factor but has nothing to
-        multiply by (the check-only pass, a clip of unscaled gradients). Never modify it."""
-        one = self._ones.get((device, dtype))
-        if one is None:
-            one = self._ones[(device, dtype)] = torch.ones((), dtype=dtype, device=device)
-        return one
-
-    def inverse(self, scale: torch.Tensor) -> torch.Tensor:
-        """1/scale in float32, taken in float64 as torch's scalers do (bit for bit with them).
-
-        One kernel: the division runs in float64 (the one operand is float64) and is rounded once
-        to float32 as it is stored, exactly `scale.double().reciprocal().float()`.
-        """
-        out = torch.empty((), dtype=torch.float32, device=scale.device)
-        return torch.div(self.one(scale.device, torch.float64), scale, out=out)
-
-    def check_(self, groups: Groups, inv_scale: torch.Tensor | None, flags: Flags) -> Flags:
-        """Multiply every gradient by `inv_scale` (if given) and flag the devices with inf/NaN.
-
-        `flags` are raised (the kernel only ever sets them to 1.0), so that several calls end
-        with one flag per device; a device without one gets a new zero flag. `inv_scale` is
-        copied once per device (a blocking copy to the CPU).
-        """
-        factors: dict[torch.device, torch.Tensor] = {}
-        for key, grads in groups.items():
-            device = key[0]  # (device, dtype), or (device, dtype, replica count)
-            if device not in flags:
-                flags[device] = torch.zeros((), dtype=torch.float32, device=device)
-            if device not in factors:
-                factors[device] = self.one(device) if inv_scale is None else move(inv_scale, device)
-            if inv_scale is None and device.type == "cpu" and grads[0].numel() >= 1 << 16:
-                # A check only, of large CPU tensors: read, not rewrite. A sum is finite only
-                # where every element is; one that is not is checked again, exactly.
-                if not math.isfinite(sum(g.sum(dtype=torch.float32).item() for g in grads)):
-                    check_and_unscale_(grads, flags[device], factors[device])
-            else:
-                check_and_unscale_(grads, flags[device], factors[device])
-        return flags
-
-    def multiply_(self, groups: Groups, factor: torch.Tensor) -> None:
-        """Multiply every gradient in `groups` by the float32 scalar `factor`, in place.
-
-        On an accelerator with the check kernel, not `_foreach_mul_`: on CUDA `_foreach_mul_`
-        takes its per-tensor slow path when the factor's dtype differs from the gradients' (a
-        float32 factor on fp16 or bf16 gradients: one launch per tensor), while the check kernel
-        takes a float32 factor for every gradient dtype in one launch, and multiplies in the
-        same precision (float32 for fp16/bf16, as `mul_` does). Its flags are scratch ones
-        nobody reads.
-
-        On the CPU with `_foreach_mul_`: there the check kernel tests element by element, up to
-        1.45x the time of the vectorised multiply in fp32 (docs/benchmarks.md), and `mul_` takes
-        a 0-dim CPU factor in float32 for fp16/bf16 too, never rounding it to their dtype.
-        """
-        on_accelerators: dict[Any, list[torch.Tensor]] = {}
-        on_cpu = None  # the factor, copied to the CPU once
-        for key, grads in groups.items():
-            if key[0].type != "cpu":
-                on_accelerators[key] = grads
-                continue
-            on_cpu = move(factor, key[0]) if on_cpu is None else on_cpu
-            foreach_mul_(grads, on_cpu)
-        if on_accelerators:
-            self.check_(on_accelerators, factor, self._scratch)
-
-    def local_norms_(
-        self,
-        groups: NormGroups,
-        norm_type: float,
-        inv_scale: torch.Tensor,
-        flags: Flags,
-        out: torch.Tensor,
-    ) -> None:
-        """Pass 1 (read only): this rank's share of the unscaled global norm, into `out` (the
-        ballot's float32 slot), and the check.
-
-        The per-tensor norms of every group with the same replica count are moved to `out`'s
-        device (a non-blocking copy from the CPU: CPU-offloaded gradients cost no device-to-host
-        copy here), stacked in one kernel, then unscaled and checked in one more (the check
-        kernel, which raises `flags[device]` where a norm is non-finite: pass the ballot's flags
-        where [`exact_norm_check()`][exact_norm_check] holds), then reduced in one, straight into
-        `out` (more for p other than 1, 2 and inf, or several replica counts). So the kernels per
-        step grow with the number of groups, never with the number of tensors.
-
-        The share is `sum |g * inv_scale|_p^p / r` (the max for the inf-norm), zero without
-        gradient elements, non-finite where a norm was.
-        """
-        device = out.device
-        if device not in flags:
-            flags[device] = torch.zeros((), dtype=torch.float32, device=device)
-        pieces: dict[int, list[torch.Tensor]] = {}
-        for (_device, _dtype, replicas), grads in groups.items():
-            pieces.setdefault(replicas, []).append(move(_norms(grads, norm_type), device))
-        reduce = torch.amax if math.isinf(norm_type) else torch.sum
-        share: torch.Tensor | None = None
-        for replicas, parts in pieces.items():
-            size = sum(map(torch.Tensor.numel, parts))
-            norms = torch.cat(parts, out=torch.empty(size, dtype=torch.float32, device=device))
-            check_and_unscale_([norms], flags[device], move(inv_scale, device))
-            direct = len(pieces) == 1 and (replicas == 1 or math.isinf(norm_type))
-            if norm_type == 2.0:  # the common case in one kernel: a dot product
-                part = torch.dot(norms, norms, out=out) if direct else torch.dot(norms, norms)
-            elif norm_type == 1.0 or math.isinf(norm_type):
-                part = reduce(norms, 0, out=out) if direct else reduce(norms, 0)
-            else:
-                part = norms.pow(norm_type).sum()
-            if replicas != 1 and not math.isinf(norm_type):  # a max: replicas need no weight
-                part = part / replicas
-            if share is not None:
-                part = torch.maximum(share, part) if math.isinf(norm_type) else share + part
-            share = part
-        if share is None:
-            out.zero_()
-        elif share is not out:
-            out.copy_(share)
-
-    def clip_(
-        self,
-        groups: NormGroups,
-        max_norm: float,
-        total_norm: torch.Tensor,
-        inv_scale: torch.Tensor | None,
-        found_inf: torch.Tensor,
-    ) -> None:
-        """Pass 2: multiply every gradient by `inv_scale * min(1, max_norm / (total + 1e-6))`.
-
-        On the device, without a host synchronisation, in five scalar kernels and one per group.
-        On an overflow (`found_inf` 1.0: the step will be skipped) it only unscales, where torch
-        would turn the gradients to NaN, so that what overflowed can still be seen. A norm that
-        is non-finite without an overflow (p-th powers beyond float32's range, p > 2) clips to
-        zero, as torch does.
-        """
-        device = total_norm.device
-        known = self._max_norm.get(device)
-        if known is None or known[0] != max_norm:
-            full = torch.full((), max_norm, dtype=torch.float32, device=device)
-            known = self._max_norm[device] = (max_norm, full)
-        coef = torch.div(known[1], total_norm + _CLIP_EPS)
-        # fmin/fmax ignore a NaN (a NaN norm: an overflow), so an overflow gives exactly 1.
-        factor = torch.fmax(torch.fmin(coef, self.one(device)), found_inf)
-        if inv_scale is not None:
-            factor = factor * move(inv_scale, device)
-        self.multiply_(groups, factor)
-
-
-def _norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """Per-tensor p-norms, taken in float64 where their p-th powers need it, never overflowing
-    for finite elements (module docstring).
-
-    On an accelerator one 1-D float64 tensor: one `_foreach_norm`, stacked in one kernel (a
-    launch per ~128 norms on CUDA; concatenated into float32 with the other groups' instead, each
-    norm took a launch of its own, as the first GPU run counted: 428 for 400 tensors). On the CPU
-    one 1-D float32 tensor.
-    """
-    if math.isinf(norm_type):  # an empty shard's inf-norm raises; its every p-norm is 0
-        device, grads = grads[0].device, [grad for grad in grads if grad.numel()]
-        if not grads:  # this rank still joins the collective, with a share of 0
-            return torch.zeros(1, dtype=torch.float32, device=device)
-    if grads[0].device.type != "cpu":
-        return torch.stack(foreach_norm(grads, norm_type, dtype=torch.float64))
-    norms = torch.stack(foreach_norm(grads, norm_type, dtype=torch.float32))
-    if math.isinf(norm_type) or bool(norms.isfinite().all()):  # a host read: free on the CPU
-        return norms
-    # a norm (not its p-th power) of finite elements fits float32
-    return torch.stack(foreach_norm(grads, norm_type, dtype=torch.float64)).float()
 
 
 _METER_SKIPPED = (
@@ -344,6 +203,8 @@ class Agreement:
         self.fp16 = Fp16Gradients()  # which gradients the fit reads, per backward
         self._meter_every = config.underflow_every
         self._walk = GradWalk()
+        # the ballots' two rows (module docstring), made once per shape and device
+        self._templates: dict[tuple[torch.device, bool, bool, bool, int, bool], torch.Tensor] = {}
         self.agreed_once = False
         """Whether this scaler has been through an agreement: every rank passes its first at
         the same collective, so "defer unscale_'s agreement" is decided alike everywhere."""
@@ -504,20 +365,63 @@ class Agreement:
         counting: bool,
         scale: object = True,
     ) -> Ballot:
-        """This rank's ballot: it holds gradient elements where `unscale_`'s pending checks did
-        too; with the norm's share where `norm_type` travels, the fit's peaks (a slot per rank
-        under a SUM) where a `scale` is, the meter's counts on its steps."""
+        """This rank's fresh ballot, on the communication device for `device`, in one kernel: it
+        holds gradient elements where `unscale_`'s pending checks did too; with the norm's share
+        where `norm_type` travels, the fit's peaks (a slot per rank under a SUM) where a `scale`
+        is, the meter's counts on its steps. Its forward-overflow slot starts at 1 where some
+        loss of the iteration was inf or NaN, else at 0; the local check raises the skip slot
+        itself ([`Ballot.skip`][Ballot.skip])."""
         summed = counting or (norm_type is not None and not math.isinf(norm_type))
         fit = scale is not None and self.home.host.policy.fit
-        return self.exchange.ballot(
+        peaks = (self.exchange.world_size if summed else 1) if fit else 0
+        with_norm, loss_nonfinite = norm_type is not None, book.loss_nonfinite
+        has_elements = has_elements or book.pending.has_elements
+        templates = self._templates_for(device, has_elements, has_scale, with_norm, peaks, counting)
+        if loss_nonfinite is None:
+            votes = templates[0].clone()
+        else:
+            votes = torch.where(move(loss_nonfinite, templates.device), templates[1], templates[0])
+        start, own = Slot.NORM + with_norm, self.exchange.rank if peaks > 1 else 0
+        peak_slots = votes[start : start + peaks] if peaks else None
+        return Ballot(
+            votes,
             device,
-            has_elements=has_elements or book.pending.has_elements,
-            has_scale=has_scale,
-            loss_nonfinite=book.loss_nonfinite,
-            with_norm=norm_type is not None,
-            peaks=(self.exchange.world_size if summed else 1) if fit else 0,
-            counted=counting,
+            has_elements,
+            has_scale,
+            skip=votes[Slot.SKIP],
+            norm=votes[Slot.NORM] if with_norm else None,
+            loss_checked=loss_nonfinite is not None,
+            peaks=peak_slots,
+            peak_slot=None if peak_slots is None else peak_slots[own],
+            bins=votes[-BINS:] if counting else None,
         )
+
+    def _templates_for(
+        self,
+        device: torch.device,
+        has_elements: bool,
+        has_scale: bool,
+        with_norm: bool,
+        peaks: int,
+        counted: bool,
+    ) -> torch.Tensor:
+        """A ballot's two rows (the second a non-finite loss's), on the communication device for
+        `device`: made once per shape and device by this agreement, and dying with it; by
+        kernels alone, no copy from the host, so that one first made while a CUDA graph captures
+        the step (a meter or clip step's shape) is legal there. `peaks`: how many slots the
+        fit's peaks take (1, or the world size under a SUM); `counted`: with the meter's 128
+        counts (a SUM)."""
+        key = (device, has_elements, has_scale, with_norm, peaks, counted)
+        templates = self._templates.get(key)
+        if templates is None:
+            size = Slot.NORM + with_norm + peaks + BINS * counted
+            comm = self.exchange.comm_device(device)
+            templates = torch.zeros((2, size), dtype=torch.float32, device=comm)
+            templates[:, Slot.HAS_ELEMENTS].fill_(float(has_elements))
+            templates[:, Slot.SCALED].fill_(float(has_scale))
+            templates[1, Slot.FORWARD].fill_(1.0)  # the row of a non-finite loss
+            self._templates[key] = templates
+        return templates
 
     def _exchange(
         self,
@@ -539,9 +443,7 @@ class Agreement:
         for device, flag in flags.items():
             if device != ballot.skip.device:
                 others.append(flag)
-        verdict = self.exchange.agree(
-            ballot, others, step=book.step, caller=caller, norm_type=norm_type
-        )
+        verdict = self._reduce(ballot, others, step=book.step, caller=caller, norm_type=norm_type)
         if ballot.peaks is not None:  # now the group's: the largest slot's, the only one of a MAX
             largest = ballot.peaks[0] if len(ballot.peaks) == 1 else ballot.peaks.amax()
             verdict.peak = move(power_above(largest), ballot.device)
@@ -550,6 +452,70 @@ class Agreement:
         if not ballot.has_scale:  # the group confirmed that some rank scaled
             self.home.confirm()
         self.agreed_once = True
+        return verdict
+
+    def _reduce(
+        self,
+        ballot: Ballot,
+        local_flags: Iterable[torch.Tensor],
+        *,
+        step: int,
+        caller: str,
+        norm_type: float | None = None,
+    ) -> Verdict:
+        """Combine this rank's ballot with every other rank's, in one collective, and read what
+        the group agreed.
+
+        Args:
+            ballot: from [`_ballot()`][_ballot], its skip slot raised by the local check
+                where the gradients are on its device.
+            local_flags: float32 scalar flags of local checks, on any device (1.0: an element
+                was non-finite): those of other devices than the ballot's, and of checks made
+                before the ballot (`unscale_`); never the ballot's own slot.
+            step: the step being taken, for error messages.
+            caller: the method being called (`"step"`...), for the error where no rank ever
+                called `scale()` (a ballot without a scale asks).
+            norm_type: the p of the gradient norm whose share travels in the ballot's norm slot
+                (`Kernels.local_norms_` put it there), or None. The share must be non-finite
+                wherever the local check raised the ballot's slot (the norms' check does); flags
+                from other checks (`local_flags`) make it inf here, and so does any flag under
+                an inf-norm (a max, which NCCL may take NaN-blind). An inf-norm's shares combine
+                by max, others by sum.
+
+        Raises:
+            RuntimeError: no rank holds any gradient element, or (a ballot without a scale) no
+                rank ever called `scale()`: every rank raises together, torch's words.
+            ShardScaleDistributedError: a rank did not arrive within `timeout`, or left.
+        """
+        votes, slot, others = ballot.tensor, ballot.skip, False
+        for flag in local_flags:  # one kernel per other flag (devices, earlier checks)
+            torch.maximum(slot, move(flag, slot.device), out=slot)
+            others = True
+        if ballot.loss_checked:  # a forward overflow: a non-finite loss, gradients to match
+            votes[Slot.FORWARD].mul_(slot)
+        if norm_type is not None and (others or math.isinf(norm_type)):
+            votes[Slot.NORM].masked_fill_(slot > 0, math.inf)  # the overflow shows in the norm
+        summed_norm = norm_type is not None and not math.isinf(norm_type)
+        summed = summed_norm or ballot.bins is not None
+        if self.exchange.world_size > 1:
+            op = dist.ReduceOp.SUM if summed else dist.ReduceOp.MAX
+            what = "the overflow flag" + (" and gradient norm" if norm_type is not None else "")
+            self.exchange.all_reduce(votes, op, step, what)
+        if not (ballot.has_scale and ballot.has_elements):  # the one host read, these only
+            agreed = votes.tolist()
+            if not ballot.has_scale and agreed[Slot.SCALED] == 0.0:
+                raise RuntimeError(no_scale_message(caller))
+            if agreed[Slot.HAS_ELEMENTS] == 0.0:
+                raise RuntimeError(_NO_GRADS.format(world_size=self.exchange.world_size))
+        flags = votes[Slot.SKIP : Slot.FORWARD + 1]  # in Flag's order
+        if summed and self.exchange.world_size > 1:
+            flags = flags.clamp(max=1.0)  # counts of ranks: exactly 0/1 after this
+        verdict = Verdict(flags=move(flags, ballot.device))
+        if norm_type is not None:
+            total = votes[Slot.NORM]
+            if summed_norm and norm_type != 1.0:
+                total = total.pow(1.0 / norm_type)
+            verdict.total_norm = move(total, ballot.device)
         return verdict
 
 

@@ -25,10 +25,9 @@ from typing import Any, NoReturn
 import torch
 from torch.amp.grad_scaler import OptState
 
-from shardscale._check import Flags, Kernels
 from shardscale._errors import ShardScaleWarning
-from shardscale._exchange import combined
-from shardscale._grads import GradWalk
+from shardscale._grads import Flags, GradWalk, Kernels
+from shardscale._state import combined
 from shardscale._stepping import IterationBook, OptimizerRecord, leaves, optimizer_params
 
 LOCAL_FLAGS_WARNING = (

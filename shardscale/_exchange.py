@@ -1,39 +1,10 @@
-"""The exchange: the one collective that makes every rank take the same skip/step decision, and
-the few others the scaler runs (gathers for `verify_agreement` and `locate_overflow`), bounded.
+"""The exchange: the process group a scaler agrees over, and every collective the scaler runs
+on it (the agreement's one all-reduce, the gathers of `verify_agreement` and `locate_overflow`,
+the async scaler's own group), each bounded, each failure reported as what it is.
 
-Invariant: every rank of the group sees the same flags before `optimizer.step()`.
-
-Each rank writes what it saw into ONE small float32 tensor, its *ballot*, on the group's
-communication device, and the group runs ONE `all_reduce` on it, however many devices, dtypes
-and optimizers hold the gradients:
-
-```text
-[has gradient elements, skip, forward overflow, has a scale, norm share, peaks, bins]
-```
-
-* has gradient elements: 0 for an empty shard, or a rank that ran no backward;
-* skip: 1 if an inf or NaN is in this rank's gradients;
-* forward overflow: 1 if, besides, a loss this rank scaled in the iteration was inf or NaN (no
-  scale can help that: the step is skipped with the scale held). A non-finite loss that left
-  every gradient finite (one never backpropagated, or `loss + inf`) is no overflow;
-* has a scale: 0 for a rank that never called `scale()` (a pipeline stage before the last),
-  until the group has confirmed that some rank does;
-* norm share: this rank's part of a global gradient norm (`clip_grad_norm_` only);
-* peaks and bins: what the fit and the underflow meter read of the gradients' range (one slot for
-  the fit's largest gradient, one per rank under a SUM; 128 for the meter's counts:
-  `shardscale._bins` writes and reads them; here they only travel).
-
-The reduction is MAX, or SUM when a finite p-norm or counted bins travel (shares and counts add
-up; the flags then count and are clamped to 1). An inf-norm's shares need MAX: the meter waits
-for a step without one. Either way the agreed flags are exactly 0.0 or 1.0: torch's fused
-optimizers skip only when `found_inf == 1.0`, so a summed flag of 2.0 (two ranks overflowed)
-would make them step with inf gradients.
-
-Only a rank that lacks something reads the result on the host (one synchronisation): a rank
-without gradient elements asks whether anybody had some (nobody: an error on every rank
-together), a rank that never scaled asks whether anybody did. Ranks that hold gradients and a
-scale never wait for the host here. Without an initialised process group, or at world size 1, no
-collective is issued.
+What travels is its callers' business: the agreement's ballot and what the group agreed are
+`shardscale._check`'s; here a collective is only issued, waited for and named in its errors.
+Without an initialised process group, or at world size 1, no collective is issued.
 
 How long a collective may wait for a rank that never arrives: on the CPU and on backends that
 stage through the host (gloo), the host waits at most `timeout` (`sync_timeout`), then raises
@@ -48,29 +19,20 @@ enforces it.
 
 from __future__ import annotations
 
-import math
 import pickle
 import re
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
-from enum import IntEnum
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from shardscale._bins import BINS
-from shardscale._errors import ShardScaleDistributedError, ShardScaleWarning, no_scale_message
-from shardscale._grads import move
+from shardscale._errors import ShardScaleDistributedError, ShardScaleWarning
 from shardscale._torch import group_device_types
 
-_NO_GRADS = (
-    "No inf checks were recorded for this optimizer: none of its parameters has a gradient "
-    "on any of the {world_size} rank(s). Call scaler.scale(loss).backward() before step()."
-)
 # A backend reporting a timeout: gloo's "Timed out waiting", NCCL's "Watchdog caught collective
 # operation timeout" (not the "Timeout(ms)=..." NCCL prints in every work's name).
 _TIMED_OUT = re.compile(r"timed out|timeout(?!\s*\(ms\))", re.IGNORECASE)
@@ -78,101 +40,6 @@ _BROKEN = re.compile(r"connection (reset|closed|refused)|broken pipe", re.IGNORE
 # torch's own check of every collective (TORCH_DISTRIBUTED_DEBUG=DETAIL) found ranks issuing
 # different ones: they took different code paths, which no waiting fixes.
 _MISMATCH = re.compile(r"mismatch between collectives", re.IGNORECASE)
-
-
-# The ballot's slots, in the order they travel (see the module); the agreed flags of a
-# `Verdict`, its skip and forward-overflow slots: `verdict.flags[Flag.SKIP]`.
-Slot = IntEnum("Slot", "HAS_ELEMENTS SKIP FORWARD SCALED NORM", start=0)
-Flag = IntEnum("Flag", "SKIP FORWARD", start=0)
-
-
-@dataclass(frozen=True, slots=True)
-class Ballot:
-    """What this rank puts into the collective (see the module).
-
-    Attributes:
-        device: The scale's device, where the verdict is returned (the tensor is on the group's
-            communication device for it).
-        has_elements: What the has-elements slot says, known on the host (a rank without
-            gradient elements reads the result).
-        has_scale: What the has-a-scale slot says (False: a rank that never scaled; it reads the
-            result, and modifies nothing before).
-        skip: The skip slot (a view): the local check raises it for gradients on the ballot's
-            device, so their flag costs no kernel of its own.
-        norm: The norm slot (a view), where this rank's share of the gradient norm goes; None
-            without one.
-        loss_checked: Whether a loss's finiteness went into the forward-overflow slot.
-        peaks: The fit's slots (a view, `shardscale._bins`): this rank writes its largest
-            |scaled gradient| into `peak_slot`, its own (the only one under a MAX); None without
-            the fit. After the collective their largest is the group's.
-        peak_slot: This rank's slot among `peaks`.
-        bins: The meter's counts (a view); None off its steps. They travel in a SUM.
-    """
-
-    tensor: torch.Tensor
-    device: torch.device
-    has_elements: bool
-    has_scale: bool
-    skip: torch.Tensor
-    norm: torch.Tensor | None = None
-    loss_checked: bool = False
-    peaks: torch.Tensor | None = None
-    peak_slot: torch.Tensor | None = None
-    bins: torch.Tensor | None = None
-
-
-@dataclass(slots=True, eq=False)
-class Verdict:
-    """What the group agreed on, identical on every rank.
-
-    Attributes:
-        flags: float32 `[skip, forward overflow]` on the scale's device, each exactly 0.0 or 1.0.
-        total_norm: The global gradient norm (float32 scalar), when one was exchanged; non-finite on
-            every rank when any rank's gradients overflowed.
-        read: What [`skipped()`][skipped] read on the host; None: not read (a fused step's verdict).
-        peak: The power of two just above the group's largest |scaled gradient| (float32 scalar; 0
-            where none was finite and non-zero), where the fit's peaks travelled
-            (`shardscale._bins`).
-        counts: The group's non-zero |scaled gradient| elements by bin (float32; the meter's steps).
-    """
-
-    flags: torch.Tensor
-    total_norm: torch.Tensor | None = None
-    read: bool | None = None
-    peak: torch.Tensor | None = None
-    counts: torch.Tensor | None = None
-
-    @property
-    def found_inf(self) -> torch.Tensor:
-        """The skip flag (float32 scalar): what torch's scalers call `found_inf`."""
-        return self.flags[Flag.SKIP]
-
-    def skipped(self) -> bool:
-        """Whether the group said skip: one host read the first time (a plain step's one
-        synchronisation), remembered for the step's later questions."""
-        if self.read is None:
-            self.read = bool(self.flags[Flag.SKIP].item())
-        return self.read
-
-
-def combined(verdicts: Iterable[Verdict | None]) -> Verdict | None:
-    """One verdict for several (of several optimizers, agreements, leaves of a container): the
-    one they share (the usual case), else a new one whose flags are the largest of theirs (not
-    read on the host yet), peaks the largest, counts added up; None where
-    none is given."""
-    distinct: list[Verdict] = []
-    for verdict in verdicts:
-        if verdict is not None and verdict not in distinct:  # by identity
-            distinct.append(verdict)
-    if len(distinct) <= 1:
-        return distinct[0] if distinct else None
-    device = distinct[0].flags.device
-    verdict = Verdict(torch.stack([move(v.flags, device) for v in distinct]).amax(0))
-    peaks = [move(v.peak, device) for v in distinct if v.peak is not None]
-    verdict.peak = torch.stack(peaks).amax() if peaks else None
-    counts = [move(v.counts, device) for v in distinct if v.counts is not None]
-    verdict.counts = torch.stack(counts).sum(0) if counts else None
-    return verdict
 
 
 def _bound_device(group: dist.ProcessGroup) -> torch.device | None:
@@ -219,7 +86,6 @@ class Exchange:
         self._comm_devices: dict[torch.device, torch.device] = {}
         self._accelerator: torch.device | None = None  # the scale's, once a ballot was made there
         self._host_waits: dict[torch.device, bool] = {}
-        self._templates: dict[tuple[torch.device, bool, bool, bool, int, bool], torch.Tensor] = {}
 
     @property
     def world_size(self) -> int:
@@ -253,8 +119,9 @@ class Exchange:
         collective on an NCCL group: `locate_overflow`'s gathers, `verify_agreement` of a
         CPU state, CPU-offloaded gradients) never trust the current device alone (it is 0 on a
         new thread and in scripts that never call `set_device`): the group's bound device
-        (`init_process_group(device_id=...)`), else the scale's device (where this exchange's
-        ballots were made), else this thread's current device of the group's type.
+        (`init_process_group(device_id=...)`), else the scale's device (the first accelerator a
+        collective was asked for here: the agreement's ballot is made on it), else this thread's
+        current device of the group's type.
         """
         comm = self._comm_devices.get(preferred)
         if comm is not None:
@@ -277,117 +144,16 @@ class Exchange:
         self._comm_devices[preferred] = comm
         return comm
 
-    def ballot(
-        self,
-        device: torch.device,
-        *,
-        has_elements: bool,
-        has_scale: bool,
-        loss_nonfinite: torch.Tensor | None = None,
-        with_norm: bool = False,
-        peaks: int = 0,
-        counted: bool = False,
-    ) -> Ballot:
-        """A fresh ballot on the communication device for `device`, in one kernel.
-
-        Its forward-overflow slot starts at 1 where `loss_nonfinite` (some loss of this
-        iteration was inf or NaN: a bool scalar from `scale()`) is True, else at 0; the local
-        check raises the skip slot itself ([`Ballot.skip`][Ballot.skip]). The two templates are
-        made once per shape and device by this exchange, and die with it; by kernels alone, no
-        copy from the host, so that one first made while a CUDA graph captures the step (a
-        meter or clip step's shape) is legal there. `peaks`: how many slots the fit's peaks
-        take (1, or the world size under a SUM); `counted`: with the meter's 128 counts (a SUM).
-        """
-        key = (device, has_elements, has_scale, with_norm, peaks, counted)
-        templates = self._templates.get(key)
-        if templates is None:
-            size = Slot.NORM + with_norm + peaks + BINS * counted
-            templates = torch.zeros((2, size), dtype=torch.float32, device=self.comm_device(device))
-            templates[:, Slot.HAS_ELEMENTS].fill_(float(has_elements))
-            templates[:, Slot.SCALED].fill_(float(has_scale))
-            templates[1, Slot.FORWARD].fill_(1.0)  # the row of a non-finite loss
-            self._templates[key] = templates
-        if loss_nonfinite is None:
-            votes = templates[0].clone()
-        else:
-            votes = torch.where(move(loss_nonfinite, templates.device), templates[1], templates[0])
-        start = Slot.NORM + with_norm
-        fit = votes[start : start + peaks] if peaks else None
-        return Ballot(
-            votes,
-            device,
-            has_elements,
-            has_scale,
-            skip=votes[Slot.SKIP],
-            norm=votes[Slot.NORM] if with_norm else None,
-            loss_checked=loss_nonfinite is not None,
-            peaks=fit,
-            peak_slot=None if fit is None else fit[self.rank if peaks > 1 else 0],
-            bins=votes[-BINS:] if counted else None,
-        )
-
-    def agree(
-        self,
-        ballot: Ballot,
-        local_flags: Iterable[torch.Tensor],
-        *,
-        step: int,
-        caller: str,
-        norm_type: float | None = None,
-    ) -> Verdict:
-        """Combine this rank's ballot with every other rank's, in one collective.
-
-        Args:
-            ballot: from [`ballot()`][ballot], its skip slot raised by the local check where the
-                gradients are on its device.
-            local_flags: float32 scalar flags of local checks, on any device (1.0: an element
-                was non-finite): those of other devices than the ballot's, and of checks made
-                before the ballot (`unscale_`); never the ballot's own slot.
-            step: the step being taken, for error messages.
-            caller: the method being called (`"step"`...), for the error where no rank ever
-                called `scale()` (a ballot without a scale asks).
-            norm_type: the p of the gradient norm whose share travels in the ballot's norm slot
-                (`Kernels.local_norms_` put it there), or None. The share must be non-finite
-                wherever the local check raised the ballot's slot (the norms' check does); flags
-                from other checks (`local_flags`) make it inf here, and so does any flag under
-                an inf-norm (a max, which NCCL may take NaN-blind). An inf-norm's shares combine
-                by max, others by sum.
+    def all_reduce(
+        self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, step: int, what: str
+    ) -> None:
+        """Reduce `tensor` in place over the group with `op`, bounded: the agreement's one
+        collective (`what` names what it carries, in the errors).
 
         Raises:
-            RuntimeError: no rank holds any gradient element, or (a ballot without a scale) no
-                rank ever called `scale()`: every rank raises together, torch's words.
             ShardScaleDistributedError: a rank did not arrive within `timeout`, or left.
         """
-        votes, slot, others = ballot.tensor, ballot.skip, False
-        for flag in local_flags:  # one kernel per other flag (devices, earlier checks)
-            torch.maximum(slot, move(flag, slot.device), out=slot)
-            others = True
-        if ballot.loss_checked:  # a forward overflow: a non-finite loss, gradients to match
-            votes[Slot.FORWARD].mul_(slot)
-        if norm_type is not None and (others or math.isinf(norm_type)):
-            votes[Slot.NORM].masked_fill_(slot > 0, math.inf)  # the overflow shows in the norm
-        summed_norm = norm_type is not None and not math.isinf(norm_type)
-        summed = summed_norm or ballot.bins is not None
-        if self.world_size > 1:
-            op = dist.ReduceOp.SUM if summed else dist.ReduceOp.MAX
-            what = "the overflow flag" + (" and gradient norm" if norm_type is not None else "")
-            self._collective(dist.all_reduce, votes, step, f"{what} (all_reduce)", op=op)
-        if not (ballot.has_scale and ballot.has_elements):  # the one host read, these only
-            agreed = votes.tolist()
-            if not ballot.has_scale and agreed[Slot.SCALED] == 0.0:
-                raise RuntimeError(no_scale_message(caller))
-            if agreed[Slot.HAS_ELEMENTS] == 0.0:
-                raise RuntimeError(_NO_GRADS.format(world_size=self.world_size))
-        flags = votes[Slot.SKIP : Slot.FORWARD + 1]  # in Flag's order
-        if summed and self.world_size > 1:
-            flags = flags.clamp(max=1.0)  # counts of ranks: exactly 0/1 after this
-        verdict = Verdict(flags=move(flags, ballot.device))
-        if norm_type is not None:
-            total = votes[Slot.NORM]
-            if summed_norm and norm_type != 1.0:
-                total = total.pow(1.0 / norm_type)
-            verdict.total_norm = move(total, ballot.device)
-        return verdict
+        self._collective(dist.all_reduce, tensor, step, f"{what} (all_reduce)", op=op)
 
     def compare(self, values: torch.Tensor, names: Sequence[str], step: int) -> None:
         """Check that every rank holds the same `values` (float64, one per name), in one

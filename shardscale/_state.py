@@ -1,5 +1,5 @@
-"""What the scaler remembers: the scale state on the device where each step moves it, and
-where that state lives.
+"""What the scaler remembers: the scale state on the device where each step moves it, where
+that state lives, and the group's [`Verdict`][] on a step, which moves it.
 
 Invariant: between two `update()` calls the device tensors hold exactly what a state dict would
 read back (one host read, `DeviceState.packed`, gets all of it; the state dict's format is
@@ -9,6 +9,7 @@ path by which the state changes. The iteration under way is `shardscale._steppin
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from enum import IntEnum
@@ -18,7 +19,7 @@ import torch
 
 from shardscale._bins import meter_reading
 from shardscale._errors import no_scale_message
-from shardscale._exchange import Flag, Verdict
+from shardscale._grads import move
 from shardscale._policy import ScalePolicy, ScaleState
 
 
@@ -87,6 +88,64 @@ _UPDATE = {
 _COUNT_TERMS = [
     [row[part][term] for part in (0, 1) for row in _UPDATE.values()] for term in range(3)
 ]
+
+
+# The agreed flags of a `Verdict`, by slot: `verdict.flags[Flag.SKIP]`.
+Flag = IntEnum("Flag", "SKIP FORWARD", start=0)
+
+
+@dataclass(slots=True, eq=False)
+class Verdict:
+    """What the group agreed on, identical on every rank.
+
+    Attributes:
+        flags: float32 `[skip, forward overflow]` on the scale's device, each exactly 0.0 or 1.0.
+        total_norm: The global gradient norm (float32 scalar), when one was exchanged; non-finite on
+            every rank when any rank's gradients overflowed.
+        read: What [`skipped()`][skipped] read on the host; None: not read (a fused step's verdict).
+        peak: The power of two just above the group's largest |scaled gradient| (float32 scalar; 0
+            where none was finite and non-zero), where the fit's peaks travelled
+            (`shardscale._bins`).
+        counts: The group's non-zero |scaled gradient| elements by bin (float32; the meter's steps).
+    """
+
+    flags: torch.Tensor
+    total_norm: torch.Tensor | None = None
+    read: bool | None = None
+    peak: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+
+    @property
+    def found_inf(self) -> torch.Tensor:
+        """The skip flag (float32 scalar): what torch's scalers call `found_inf`."""
+        return self.flags[Flag.SKIP]
+
+    def skipped(self) -> bool:
+        """Whether the group said skip: one host read the first time (a plain step's one
+        synchronisation), remembered for the step's later questions."""
+        if self.read is None:
+            self.read = bool(self.flags[Flag.SKIP].item())
+        return self.read
+
+
+def combined(verdicts: Iterable[Verdict | None]) -> Verdict | None:
+    """One verdict for several (of several optimizers, agreements, leaves of a container): the
+    one they share (the usual case), else a new one whose flags are the largest of theirs (not
+    read on the host yet), peaks the largest, counts added up; None where
+    none is given."""
+    distinct: list[Verdict] = []
+    for verdict in verdicts:
+        if verdict is not None and verdict not in distinct:  # by identity
+            distinct.append(verdict)
+    if len(distinct) <= 1:
+        return distinct[0] if distinct else None
+    device = distinct[0].flags.device
+    verdict = Verdict(torch.stack([move(v.flags, device) for v in distinct]).amax(0))
+    peaks = [move(v.peak, device) for v in distinct if v.peak is not None]
+    verdict.peak = torch.stack(peaks).amax() if peaks else None
+    counts = [move(v.counts, device) for v in distinct if v.counts is not None]
+    verdict.counts = torch.stack(counts).sum(0) if counts else None
+    return verdict
 
 
 class Landing:

@@ -44,10 +44,9 @@ from torch.distributed.tensor import DTensor
 from shardscale._check import Agreement, ClipRequest, PendingCheck
 from shardscale._config import ScalerConfig
 from shardscale._errors import GRAD_SCALER_WARNING, no_scale_message
-from shardscale._exchange import Flag, Verdict, combined
 from shardscale._grads import grads_device, move_together
 from shardscale._locate import NonFiniteGrad, locate_optimizers, log_located
-from shardscale._state import ScaleHome, device_path
+from shardscale._state import Flag, ScaleHome, Verdict, combined, device_path
 from shardscale._torch import in_pipeline_shape_inference
 
 # What `unscale_`/`step` accept: an optimizer (or a container of several), or a list.

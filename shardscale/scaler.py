@@ -6,15 +6,16 @@ and counters. That holds because each rank checks its own gradient shards and th
 share ONE flag tensor in ONE all-reduce per step; everything after that (the skip decision, the
 policy maths) is a deterministic function of the agreed flags.
 
-One step, as the code runs it: `scale()` multiplies the loss by a copy of the scale and notes
-on the device whether the loss is finite; `step()` hands the optimizer to the scaler's
+One step, as the code runs it: `scale()` multiplies the loss by a copy of the scale and notes on
+the device whether the loss is finite; `step()` hands the optimizer to the scaler's
 [`Steps`][shardscale._stepping.Steps], the one room of a step's bookkeeping: it records the
 optimizer in the iteration's [`IterationBook`][shardscale._stepping.IterationBook], hands the
-gradients still to check to the [`Agreement`][shardscale._check.Agreement] (which walks
-them, `shardscale._grads`, checks and unscales them in one fused pass per (device, dtype),
-`shardscale._check`, and agrees in the one collective, `shardscale._exchange`), then steps or
-skips as agreed; `update()` counts the step and moves the scale on the device
-(`shardscale._state`, `shardscale._policy`) and tells whoever listens (`shardscale._report`).
+gradients still to check to the [`Agreement`][shardscale._check.Agreement] (which walks them and
+checks and unscales them in one fused pass per (device, dtype), `shardscale._grads`, fills its
+ballot and agrees in the one collective, `shardscale._check`, which `shardscale._exchange` issues,
+bounded), then steps or skips as agreed; `update()` counts the step and moves the scale on the
+device (`shardscale._state`, `shardscale._policy`) and tells whoever listens
+(`shardscale._report`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@
   rather than squeezed or a feature cut to meet it. The house's fifth pass (issue 60) moved a
   step's bookkeeping into one room (3,798) and torch's private members out of the scaler's
   class body into a table in ``_compat`` that sets them on the class (3,805: the table and its
-  loop); it owes the structural cut still.
+  loop), and split the exchange by concern (3,807: the collective's own entry point); it owes
+  the structural cut still.
 - **Cycles**: no import cycle among the package's modules (every import counts, those under
   ``TYPE_CHECKING`` too).
 - **The walk**: one steady training step (the third; rank 0 of 2 gloo ranks, a small replicated

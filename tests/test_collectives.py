@@ -91,6 +91,12 @@ def _agreement(timeout: float | None, group: object | None = None, world_size: i
     return exchange
 
 
+def _ballot(device: torch.device) -> torch.Tensor:
+    """A ballot as the agreement makes one (`shardscale._check`): five float32 slots, the first
+    (has gradient elements) and the fourth (has a scale) raised."""
+    return torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0], device=device)
+
+
 def _agree_on_cpu(
     exchange: Exchange, work: Any, monkeypatch: pytest.MonkeyPatch, step: int
 ) -> None:
@@ -100,8 +106,7 @@ def _agree_on_cpu(
         return work(kwargs["async_op"]) if callable(work) else work
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
-    ballot = exchange.ballot(torch.device("cpu"), has_elements=True, has_scale=True)
-    exchange.agree(ballot, [], step=step, caller="step")
+    exchange.all_reduce(_ballot(torch.device("cpu")), dist.ReduceOp.MAX, step, "the overflow flag")
 
 
 # ---------------------------------------------------------------------------- W1: late or gone
@@ -182,9 +187,10 @@ def nccl_on_meta(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     return issued
 
 
-def _meta_step(exchange: Exchange, step: int) -> torch.Tensor:
-    ballot = exchange.ballot(META, has_elements=True, has_scale=True)
-    return exchange.agree(ballot, [], step=step, caller="step").found_inf
+def _meta_step(exchange: Exchange, step: int) -> None:
+    """The agreement's collective on a ballot where the step's scale is (`meta`: a GPU's)."""
+    ballot = _ballot(exchange.comm_device(META))
+    exchange.all_reduce(ballot, dist.ReduceOp.MAX, step, "the overflow flag")
 
 
 def test_agree_on_an_accelerator_never_waits_on_the_host(

@@ -260,7 +260,7 @@ def test_check_only_of_large_cpu_gradients_flags_exactly_what_the_kernel_flags(
     """A check without unscaling (fused optimizers) reads large CPU tensors by their sums: a sum
     that overflows over finite elements is no overflow, an inf or NaN anywhere is, and nothing
     is written."""
-    from shardscale._check import Kernels
+    from shardscale._grads import Kernels
 
     cpu, n = torch.device("cpu"), 1 << 16
     top = torch.finfo(dtype).max
