@@ -79,19 +79,6 @@ def move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=device.type != "cpu")
 
 
-def move_together(
-    grad_scale: torch.Tensor | None, found_inf: torch.Tensor, device: torch.device
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """`grad_scale` and `found_inf` on `device`: themselves when there, else ONE copy (both
-    stacked: one blocking copy to the CPU, not two)."""
-    if found_inf.device == device and (grad_scale is None or grad_scale.device == device):
-        return grad_scale, found_inf
-    if grad_scale is None or grad_scale.dtype != found_inf.dtype:
-        return None if grad_scale is None else move(grad_scale, device), move(found_inf, device)
-    both = move(torch.stack((grad_scale.reshape(()), found_inf)), device)
-    return both[0].reshape(grad_scale.shape), both[1]
-
-
 def local_grads(params: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], list[int], bool]:
     """The local gradients of `params` that exist, their positions in `params`, and whether any
     holds an element (an empty shard does not).
@@ -139,22 +126,6 @@ def local_grad(grad: torch.Tensor) -> torch.Tensor:
     if grad.is_sparse:
         grad = sparse_values(grad if grad.is_coalesced() else grad.coalesce())
     return grad
-
-
-def grads_device(params: Iterable[torch.Tensor]) -> torch.device:
-    """Where the local gradients of `params` live: the first gradient's (local) device.
-
-    Else the first parameter's (a rank that holds no gradient yet), else the CPU. A rank that
-    computes no loss (a pipeline stage before the last) puts the scale state there.
-    """
-    first: torch.Tensor | None = None
-    for param in params:
-        if param.grad is not None:
-            return local_grad(param.grad).device
-        first = param if first is None else first
-    if first is None:
-        return torch.device("cpu")
-    return (local_tensor(first) if isinstance(first, DTensor) else first).device
 
 
 def _dtensor_replicas(grad: DTensor) -> int:

@@ -387,12 +387,21 @@ class ScaleHome:
             self.device = DeviceState.create(self.host, device)
         return self.device
 
-    def for_gradients(self, device: torch.device) -> DeviceState:
-        """The state for a rank that steps without having scaled: where its gradients are,
-        unconfirmed until the group agrees that some rank scaled."""
-        if self.device is None:
-            self.unconfirmed = True
-        return self.at(device)
+    def for_gradients(self, params: Iterable[torch.Tensor]) -> DeviceState:
+        """The state for a rank that steps without having scaled (a pipeline stage before the
+        last), unconfirmed until the group agrees that some rank scaled; put, if no device
+        holds it yet, where the gradients of `params` are: the first gradient's device (a
+        DTensor's is its local shard's), else the first parameter's (no gradient yet), else
+        the CPU."""
+        if self.device is not None:
+            return self.device
+        self.unconfirmed = True
+        first: torch.Tensor | None = None
+        for param in params:
+            if param.grad is not None:
+                return self.at(param.grad.device)
+            first = param if first is None else first
+        return self.at(torch.device("cpu") if first is None else first.device)
 
     def confirm(self) -> None:
         """The group agreed that some rank scaled: this rank may now modify its gradients."""

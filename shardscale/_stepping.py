@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 from shardscale._check import Agreement, ClipRequest, PendingCheck
 from shardscale._config import ScalerConfig
 from shardscale._errors import GRAD_SCALER_WARNING, no_scale_message
-from shardscale._grads import grads_device, move_together
+from shardscale._grads import move
 from shardscale._locate import NonFiniteGrad, locate_optimizers, log_located
 from shardscale._state import Flag, ScaleHome, Verdict, combined, device_path
 from shardscale._torch import in_pipeline_shape_inference
@@ -430,7 +430,7 @@ class Steps:
             params: Iterable[torch.Tensor] = source
         else:
             params = optimizer_params(leaves(source))
-        return self.home.for_gradients(grads_device(params)).scale
+        return self.home.for_gradients(params).scale
 
     # ------------------------------------------------------------------ the step
 
@@ -627,6 +627,19 @@ class Steps:
         step, exchange = self.book.step, self.agreement.exchange
         self.last_overflow = locate_optimizers(optimizers, exchange, step, losses)
         log_located(step, self.last_overflow, forward)
+
+
+def move_together(
+    grad_scale: torch.Tensor | None, found_inf: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """`grad_scale` and `found_inf` on `device`: themselves when there, else ONE copy (both
+    stacked: one blocking copy to the CPU, not two)."""
+    if found_inf.device == device and (grad_scale is None or grad_scale.device == device):
+        return grad_scale, found_inf
+    if grad_scale is None or grad_scale.dtype != found_inf.dtype:
+        return None if grad_scale is None else move(grad_scale, device), move(found_inf, device)
+    both = move(torch.stack((grad_scale.reshape(()), found_inf)), device)
+    return both[0].reshape(grad_scale.shape), both[1]
 
 
 def _step_target(
