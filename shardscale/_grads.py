@@ -520,7 +520,7 @@ class Kernels:
 
 def _norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """Per-tensor p-norms, taken in float64 where their p-th powers need it, never overflowing
-    for finite elements (module docstring).
+    for finite elements ([`Kernels`][], pass 1).
 
     On an accelerator one 1-D float64 tensor: one `_foreach_norm`, stacked in one kernel (a
     launch per ~128 norms on CUDA; concatenated into float32 with the other groups' instead, each

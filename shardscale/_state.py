@@ -96,7 +96,9 @@ Flag = IntEnum("Flag", "SKIP FORWARD", start=0)
 
 @dataclass(slots=True, eq=False)
 class Verdict:
-    """What the group agreed on, identical on every rank.
+    """What the group agreed on, identical on every rank: made by the agreement
+    (`shardscale._check`), recorded by a step's bookkeeping (`shardscale._stepping`), and what
+    moves the state here ([`DeviceState.apply_()`][DeviceState.apply_]).
 
     Attributes:
         flags: float32 `[skip, forward overflow]` on the scale's device, each exactly 0.0 or 1.0.
