@@ -242,7 +242,7 @@ class Agreement:
             unscaling = inv if has_scale else None  # unconfirmed: check now, unscale after
             checks, everything = (to_unscale, to_check), [*unscale, *check]
             reading = self._check_local(book, checks, everything, unscaling, flags, counting)
-            verdict = self._exchange(book, ballot, flags, reading, caller, None)
+            verdict = self._vote(book, ballot, flags, reading, caller, None)
             if not has_scale and inv is not None:  # the group confirmed a scale: unscale now
                 self.kernels.multiply_(to_unscale, inv)
         return verdict
@@ -297,7 +297,7 @@ class Agreement:
             )
             if inv is not None and not exact:
                 kernels.check_(norms, None, flags)
-            verdict = self._exchange(book, ballot, flags, reading, "clip_grad_norm_", norm_type)
+            verdict = self._vote(book, ballot, flags, reading, "clip_grad_norm_", norm_type)
             total = cast(torch.Tensor, verdict.total_norm)  # exchanged with the flags
             kernels.clip_(norms, request.max_norm, total, inv, verdict.flags[Flag.SKIP])
         return verdict
@@ -423,7 +423,7 @@ class Agreement:
             self._templates[key] = templates
         return templates
 
-    def _exchange(
+    def _vote(
         self,
         book: Iteration,
         ballot: Ballot,
