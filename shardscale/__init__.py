@@ -4,6 +4,7 @@ import importlib.metadata as _metadata
 
 from shardscale._errors import (
     ShardScaleDistributedError,
+    ShardScaleMismatchError,
     ShardScaleNonFiniteError,
     ShardScaleSkipError,
     ShardScaleWarning,
@@ -31,6 +32,7 @@ __all__ = [
     "ScaleState",
     "ScalerStats",
     "ShardScaleDistributedError",
+    "ShardScaleMismatchError",
     "ShardScaleNonFiniteError",
     "ShardScaleSkipError",
     "ShardScaleWarning",

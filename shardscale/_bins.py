@@ -4,12 +4,11 @@ Two features read how large the gradients are, and ride the step's one collectiv
 (`shardscale._check`'s ballot carries what they read; here it is made and read back):
 
 * the fit (`scale_policy="fit"`): each rank's largest |scaled gradient| that fp16 had to hold,
-  in one backward ([`Fp16Gradients`][]). It travels in a slot of the ballot, one per rank where
-  the ballot reduces by SUM (a clip's 2-norm, the meter's counts), so that the largest survives
-  the reduction (a NaN as an inf: fp16's overflows mostly reach the gradients as NaN, and a NaN
-  beside an inf must not hide it, nor be dropped by a MAX); the fit then takes the power of two
-  just above the group's largest ([`power_above`][]);
-* the underflow meter (every `underflow_every` steps, where [`counts_can_travel`][]): 128 slots,
+  in one backward ([`Fp16Gradients`][]). It travels in the ballot's slot for this rank (one per
+  rank: the ballot reduces by SUM), so that the largest survives the reduction (a NaN as an inf:
+  fp16's overflows mostly reach the gradients as NaN, and a NaN beside an inf must not hide
+  it); the fit then takes the power of two just above the group's largest ([`power_above`][]);
+* the underflow meter (every `underflow_every` steps, where [`can_count`][]): 128 slots,
   one per power of two, slot i for magnitudes in [2^(i+BIN_LOW-1), 2^(i+BIN_LOW)), 2^-64 to 2^64
   in all; each counts this rank's non-zero gradient elements in it ([`counted`][]), the counts add
   up over the ranks (a SUM), and [`meter_reading`][] reads off the fraction below fp16's normal
@@ -65,13 +64,6 @@ def can_count(device: torch.device) -> bool:
     """Whether elements may be counted on `device` (`histc`): not on CUDA with deterministic
     algorithms on, where `histc` has no deterministic kernel and would raise."""
     return device.type != "cuda" or not torch.are_deterministic_algorithms_enabled()
-
-
-def counts_can_travel(device: torch.device, norm_type: float | None) -> bool:
-    """Whether the meter's counts can be made on `device` and travel with a norm of
-    `norm_type` (they need a SUM: not beside an inf-norm, whose shares need a MAX)."""
-    inf_norm = norm_type is not None and math.isinf(norm_type)
-    return not inf_norm and can_count(device)
 
 
 def underflow_counts(values: torch.Tensor, scale: float) -> torch.Tensor:

@@ -1,67 +1,81 @@
 """The check and the agreement: this rank's gradients checked (and unscaled) in one fused pass
-per (device, dtype), and ONE collective that agrees on them with every rank.
+per (device, dtype), and ONE collective that agrees on them with every rank, one verdict per
+check.
 
-Invariant: every rank of the group sees the same flags before `optimizer.step()`, after one
-collective per agreement, however many optimizers, devices and dtypes hold the gradients; a
-local check that `unscale_()` makes waits in the iteration's [`PendingCheck`][] for the next
-agreement, whose collective it joins.
+Invariant: every rank of the group sees the same flags for each check before
+`optimizer.step()`, after one collective per agreement, however many optimizers, devices and
+dtypes hold the gradients; a local check that `unscale_()` makes waits (a [`Check`][] without a
+verdict) for the next agreement, whose collective it joins, in a slot of its own.
 
 It works on gradients (the parameters' `.grad`, grouped by `shardscale._grads`, whose
 [`Kernels`][shardscale._grads.Kernels] check, unscale, take the norms and clip), never on
-optimizers: which optimizers a step covers, and what each went through in the iteration, is
-the bookkeeping of `shardscale._stepping`, which hands the parameters here and records the
-verdict it gets back. The [`Agreement`][] carries what a rank learns across iterations: its
-gradient walks, its kernels' constants, its ballots' templates, which gradients the fit reads,
-and whether it has agreed before.
+optimizers: which optimizers a call covers, and what each went through in the iteration, is the
+bookkeeping of `shardscale._stepping`, which hands the parameters here, one [`Check`][] per call
+(a *unit*: its verdict is that call's optimizers'), and records the verdicts it gets back. The
+[`Agreement`][] carries what a rank learns across iterations: its gradient walks, its kernels'
+constants, its ballots' templates, which gradients the fit reads, whether it has agreed before.
 
-Each rank writes what it saw into ONE small float32 tensor, its *ballot*, on the group's
-communication device, and the group runs ONE `all_reduce` on it, however many devices, dtypes
-and optimizers hold the gradients:
+Each rank writes what it saw into ONE float32 tensor, its *ballot*, on the group's
+communication device, and the group runs ONE `all_reduce` (a SUM) on it, however many devices,
+dtypes and optimizers hold the gradients. Its shape is fixed for the scaler's life (by the world
+size alone), whatever the call, the settings or the state, so that ranks whose calls or states
+differ meet in a collective of one shape and find out ([`Layout`][]):
 
 ```text
-[has gradient elements, skip, forward overflow, has a scale, norm share, peaks, bins]
+[has a scale, identity bits x 32, units x 8 [has gradients, skip, forward overflow],
+ norm share, uncovered gradients, inf-norm shares x W, fit peaks x W, meter bins x 128]
 ```
 
-* has gradient elements: 0 for an empty shard, or a rank that ran no backward;
-* skip: 1 if an inf or NaN is in this rank's gradients;
-* forward overflow: 1 if, besides, a loss this rank scaled in the iteration was inf or NaN (no
-  scale can help that: the step is skipped with the scale held). A non-finite loss that left
-  every gradient finite (one never backpropagated, or `loss + inf`) is no overflow;
 * has a scale: 0 for a rank that never called `scale()` (a pipeline stage before the last),
   until the group has confirmed that some rank does;
-* norm share: this rank's part of a global gradient norm (`clip_grad_norm_` only);
-* peaks and bins: what the fit and the underflow meter read of the gradients' range (one slot for
-  the fit's largest gradient, one per rank under a SUM; 128 for the meter's counts:
-  `shardscale._bins` makes and reads them; the ballot only carries them).
+* identity: the bits of a hash of what issued the ballot (the call, its place in the iteration,
+  how many checks it carries) and of what the scaler holds (its state's origin: the one it was
+  built with or the one it loaded; its settings). Every rank writes its own bits, so after the
+  SUM a slot is 0 or W where all ranks agree, and anything else means that some rank's call or
+  state differs: every rank sees it in the same reduced tensor, and raises the same error
+  ([`ShardScaleMismatchError`][shardscale.ShardScaleMismatchError]) at the same collective;
+* a unit per check the collective agrees on (the call's own, and those `unscale_()` left
+  waiting): has gradients (0 where this rank holds none for it), skip (1 if an inf or NaN is in
+  its gradients here), forward overflow (1 if, besides, a loss this rank scaled in the
+  iteration was inf or NaN: no scale helps that, the step is skipped with the scale held; a
+  non-finite loss that left every gradient finite is no overflow);
+* norm share: this rank's part of a global p-norm (`clip_grad_norm_`), an inf-norm's share in
+  this rank's own slot among W (its reduction is a max, taken after the SUM);
+* uncovered gradients: 1 where a clip left out gradients this rank holds for an optimizer it
+  stepped before (`shardscale._stepping`'s rule for the steps after a clip);
+* the fit's peaks (one slot per rank: the largest survives the SUM) and the meter's 128 counts
+  (`shardscale._bins` makes and reads them; the ballot only carries them).
 
-The reduction is MAX, or SUM when a finite p-norm or counted bins travel (shares and counts add
-up; the flags then count and are clamped to 1). An inf-norm's shares need MAX: the meter waits
-for a step without one. Either way the agreed flags are exactly 0.0 or 1.0: torch's fused
-optimizers skip only when `found_inf == 1.0`, so a summed flag of 2.0 (two ranks overflowed)
-would make them step with inf gradients.
+The flags count ranks after the SUM and are clamped to 1: torch's fused optimizers skip only
+when `found_inf == 1.0`, so a summed flag of 2.0 (two ranks overflowed) would make them step
+with inf gradients.
 
-Only a rank that lacks something reads the result on the host (one synchronisation): a rank
-without gradient elements asks whether anybody had some (nobody: an error on every rank
-together), a rank that never scaled asks whether anybody did. Ranks that hold gradients and a
-scale never wait for the host here. The collective itself (bounded, its failures named) is
-`shardscale._exchange`'s; without a process group, or at world size 1, none is issued.
+On the CPU the host reads the reduced ballot's head at once (it waited for the collective
+anyway): a mismatch raises there, on every rank. On an accelerator the host reads only where a
+rank lacks something (gradients for a check, or a scale: one synchronisation) or where a plain
+step reads its decision anyway; there a mismatch also sets every check's skip and
+forward-overflow flags (nothing is written into the weights, the scale is held) and is counted
+on the device, and the alarms raise it (`shardscale._report`) at the update that reads the
+counters. The collective itself (bounded, its failures named) is `shardscale._exchange`'s;
+without a process group, or at world size 1, none is issued.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+import zlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 
-from shardscale._bins import BINS, Fp16Gradients, counted, counts_can_travel, power_above
+from shardscale._bins import BINS, Fp16Gradients, can_count, counted, power_above
 from shardscale._config import ScalerConfig
-from shardscale._errors import ShardScaleWarning, no_scale_message
+from shardscale._errors import ShardScaleMismatchError, ShardScaleWarning, no_scale_message
 from shardscale._exchange import Exchange
 from shardscale._grads import (
     Flags,
@@ -75,14 +89,63 @@ from shardscale._grads import (
 )
 from shardscale._state import Flag, ScaleHome, Verdict
 
-_NO_GRADS = (
-    "No inf checks were recorded for this optimizer: none of its parameters has a gradient "
-    "on any of the {world_size} rank(s). Call scaler.scale(loss).backward() before step()."
-)
+# Checks one ballot carries at most: the call's own and those `unscale_()` left waiting (an
+# `unscale_()` that would leave more waiting agrees at once: `shardscale._stepping`).
+MAX_CHECKS = 8
+# Bits of the identity hash (module docstring).
+IDENTITY_BITS = 32
+# A check's slots, in its unit.
+Unit = IntEnum("Unit", "HAS SKIP FORWARD", start=0)
 
-# The ballot's slots, in the order they travel (see the module); the agreed flags are a
-# `Verdict`'s, by `Flag`: its skip and forward-overflow slots.
-Slot = IntEnum("Slot", "HAS_ELEMENTS SKIP FORWARD SCALED NORM", start=0)
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where each part of a ballot travels (module docstring): fixed by the world size alone."""
+
+    world_size: int
+
+    SCALED = 0
+    IDENTITY = slice(1, 1 + IDENTITY_BITS)
+    UNITS = slice(IDENTITY.stop, IDENTITY.stop + len(Unit) * MAX_CHECKS)
+    NORM = UNITS.stop
+    UNCOVERED = NORM + 1
+
+    @property
+    def inf_norms(self) -> slice:
+        return slice(self.UNCOVERED + 1, self.UNCOVERED + 1 + self.world_size)
+
+    @property
+    def peaks(self) -> slice:
+        return slice(self.inf_norms.stop, self.inf_norms.stop + self.world_size)
+
+    @property
+    def bins(self) -> slice:
+        return slice(self.peaks.stop, self.peaks.stop + BINS)
+
+    @property
+    def size(self) -> int:
+        return int(self.bins.stop)
+
+
+@dataclass(eq=False, slots=True)
+class Check:
+    """The gradients of one `unscale_()`, `step()` or `clip_grad_norm_()` call, which the group
+    decides on together: one unit of a ballot, one [`Verdict`][shardscale._state.Verdict].
+
+    Attributes:
+        has_grads: Whether this rank holds a gradient here (an empty shard's counts).
+        param_ids: The parameters' ids, where a later clip must know whether it covers them.
+        local_flags: What `unscale_()` found here, by device, while the check waits for the
+            agreement (None: not checked by `unscale_()`).
+        reading: What the fit and the meter read of its gradients, before the unscale.
+        verdict: What the group agreed (None: not yet).
+    """
+
+    has_grads: bool = False
+    param_ids: frozenset[int] = frozenset()
+    local_flags: Flags | None = None
+    reading: Reading | None = None
+    verdict: Verdict | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,34 +153,47 @@ class Ballot:
     """What this rank puts into the collective (see the module).
 
     Attributes:
-        device: The scale's device, where the verdict is returned (the tensor is on the group's
-            communication device for it).
-        has_elements: What the has-elements slot says, known on the host (a rank without
-            gradient elements reads the result).
-        has_scale: What the has-a-scale slot says (False: a rank that never scaled; it reads the
-            result, and modifies nothing before).
-        skip: The skip slot (a view): the local check raises it for gradients on the ballot's
-            device, so their flag costs no kernel of its own.
-        norm: The norm slot (a view), where this rank's share of the gradient norm goes; None
-            without one.
-        loss_checked: Whether a loss's finiteness went into the forward-overflow slot.
-        peaks: The fit's slots (a view, `shardscale._bins`): this rank writes its largest
-            |scaled gradient| into `peak_slot`, its own (the only one under a MAX); None without
-            the fit. After the collective their largest is the group's.
-        peak_slot: This rank's slot among `peaks`.
-        bins: The meter's counts (a view); None off its steps. They travel in a SUM.
+        device: The scale's device, where the verdicts are returned (the tensor is on the
+            group's communication device).
+        units: The checks' slots (a `[MAX_CHECKS, 3]` view).
+        has: Whether this rank holds gradients for each check it carries, in order (what their
+            has-gradients slots say, known on the host: a rank without reads the result).
+        has_scale: What the has-a-scale slot says (False: a rank that never scaled; it reads
+            the result, and modifies nothing before).
+        loss_checked: Whether a loss's finiteness went into the forward-overflow slots.
+        peak_slot, inf_norm_slot: This rank's slots among the fit's peaks and the inf-norms.
     """
 
     tensor: torch.Tensor
+    layout: Layout
     device: torch.device
-    has_elements: bool
+    units: torch.Tensor
+    has: tuple[bool, ...]
     has_scale: bool
-    skip: torch.Tensor
-    norm: torch.Tensor | None = None
-    loss_checked: bool = False
-    peaks: torch.Tensor | None = None
-    peak_slot: torch.Tensor | None = None
-    bins: torch.Tensor | None = None
+    loss_checked: bool
+    peak_slot: torch.Tensor
+    inf_norm_slot: torch.Tensor
+
+    @property
+    def used(self) -> int:
+        """How many checks it carries (its first units)."""
+        return len(self.has)
+
+    def skip(self, unit: int = 0) -> torch.Tensor:
+        """The skip slot of check `unit` (a view: a local check raises it directly)."""
+        return self.units[unit, Unit.SKIP]
+
+    @property
+    def norm(self) -> torch.Tensor:
+        return self.tensor[Layout.NORM]
+
+    @property
+    def peaks(self) -> torch.Tensor:
+        return self.tensor[self.layout.peaks]
+
+    @property
+    def bins(self) -> torch.Tensor:
+        return self.tensor[self.layout.bins]
 
 
 def check_clip_args(max_norm: float, norm_type: float) -> tuple[float, float]:
@@ -133,9 +209,8 @@ def check_clip_args(max_norm: float, norm_type: float) -> tuple[float, float]:
 
 
 _METER_SKIPPED = (
-    "step {step}: the underflow meter (underflow_every) could not read this step: its counts "
-    "need a SUM, which an inf-norm clip_grad_norm_ (its shares need a MAX) or CUDA's "
-    "deterministic mode (histc has no deterministic kernel) rules out. It reads the next of its "
+    "step {step}: the underflow meter (underflow_every) could not read this step: CUDA's "
+    "deterministic mode is on, and histc has no deterministic kernel. It reads the next of its "
     "steps that can be; until one has, stats.underflow is None, never a 0 that was not measured "
     "(said once)"
 )
@@ -145,30 +220,18 @@ _METER_SKIPPED = (
 Reading = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
-@dataclass(slots=True)
-class PendingCheck:
-    """Gradients `unscale_()` checked and unscaled locally, whose flags await the agreement
-    (the next `step`, `clip_grad_norm_` or `update`), so `unscale_` + clip + step still cost
-    one collective.
-
-    Attributes:
-        readings: What the fit and the meter read of their gradients, before the unscale.
-    """
-
-    flags: list[torch.Tensor] = field(default_factory=list)
-    has_elements: bool = False
-    readings: list[Reading | None] = field(default_factory=list)
-
-
 class Iteration(Protocol):
     """What an agreement reads of the iteration under way
     ([`IterationBook`][shardscale._stepping.IterationBook])."""
 
     step: int
+    collectives: int
     loss_nonfinite: torch.Tensor | None
     losses: list[torch.Tensor]
     fit_readings: list[torch.Tensor]
-    pending: PendingCheck
+    peaks: list[torch.Tensor]
+    counts: list[torch.Tensor]
+    mismatches: list[torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +241,8 @@ class ClipRequest:
     Attributes:
         replicas: How many ranks hold the same plain (non-DTensor) gradients (`replica_group`).
         scaled: Whether the gradients still carry the scale (False: `unscale_()` divided it out).
+        uncovered: Whether this rank holds gradients the clip leaves out, of optimizers stepped
+            before (the uncovered-gradients slot).
     """
 
     params: list[torch.Tensor]
@@ -185,6 +250,17 @@ class ClipRequest:
     norm_type: float
     replicas: int
     scaled: bool = True
+    uncovered: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ClipResult:
+    """What a clip's agreement returns: its check's verdict, the global norm, and whether some
+    rank held gradients the clip left out (a float32 scalar, a count of ranks)."""
+
+    verdict: Verdict
+    total_norm: torch.Tensor
+    uncovered: torch.Tensor
 
 
 class Agreement:
@@ -192,8 +268,9 @@ class Agreement:
 
     Args:
         exchange: the process group and its collectives.
-        home: the scale state, and whether this rank scaled or holds an unconfirmed scale.
-        config: the scaler's options; read here: `underflow_every` (the meter's steps).
+        home: the scale state, where it lives, and where it came from (its identity).
+        config: the scaler's options; read here: `underflow_every` (the meter's steps), and
+            those that decide when the scaler communicates (part of the identity).
     """
 
     def __init__(self, exchange: Exchange, home: ScaleHome, config: ScalerConfig) -> None:
@@ -202,9 +279,10 @@ class Agreement:
         self.kernels = Kernels()
         self.fp16 = Fp16Gradients()  # which gradients the fit reads, per backward
         self._meter_every = config.underflow_every
+        self._settings = zlib.crc32(repr(config.collective_settings()).encode())
         self._walk = GradWalk()
-        # the ballots' two rows (module docstring), made once per shape and device
-        self._templates: dict[tuple[torch.device, bool, bool, bool, int, bool], torch.Tensor] = {}
+        # the ballots' two rows (module docstring), made once per identity and device
+        self._templates: dict[tuple[Any, ...], torch.Tensor] = {}
         self.agreed_once = False
         """Whether this scaler has been through an agreement: every rank passes its first at
         the same collective, so "defer unscale_'s agreement" is decided alike everywhere."""
@@ -216,91 +294,133 @@ class Agreement:
         book: Iteration,
         scale: torch.Tensor,
         caller: str,
-        unscale: list[torch.Tensor],
-        check: list[torch.Tensor],
-        clipped: bool = False,
-    ) -> Verdict:
-        """Check the gradients of `unscale` and `check` (parameters), and agree on ONE verdict
-        for them and for the checks `unscale_` left pending.
+        own: Check | None,
+        groups: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], []),
+        waiting: Sequence[Check] = (),
+    ) -> None:
+        """Check the gradients of `own` (`groups`: parameters whose gradients are unscaled,
+        and those only checked) and agree on a verdict for it and for each of `waiting`
+        (`unscale_()`'s local checks), in one collective; each check takes its verdict.
 
-        `unscale`'s gradients are divided by the scale in place; `check`'s are only checked
-        (`clipped`: some of them had a partial clip's agreement, which counted their
-        elements). On a rank that never called `scale()` (`caller` names the call for the
-        error where no rank did) nothing is modified until the group has confirmed that some
-        rank did.
+        On a rank that never called `scale()` (`caller` names the call for the error where no
+        rank did) nothing is modified until the group has confirmed that some rank did.
         """
-        device = scale.device
+        unscale, check = groups
+        checks = list(waiting) if own is None else [own, *waiting]
         with torch.no_grad():
-            to_unscale, has_elements = self._walk.groups(unscale)
-            to_check, checked_has_elements = self._walk.groups(check)
-            counting = self._counting(book, device, None)
+            to_unscale, has_unscaled = self._walk.groups(unscale)
+            to_check, has_checked = self._walk.groups(check)
+            if own is not None:
+                own.has_grads = has_unscaled or has_checked
             has_scale = not self.home.unconfirmed
-            has_elements = has_elements or checked_has_elements or clipped
-            ballot = self._ballot(book, device, has_elements, has_scale, None, counting)
+            ballot = self._ballot(book, scale.device, caller, checks, has_scale)
+            counting = self._counting(book, scale.device)
             inv = self.kernels.inverse(scale) if unscale else None
-            flags = {ballot.skip.device: ballot.skip}
-            unscaling = inv if has_scale else None  # unconfirmed: check now, unscale after
-            checks, everything = (to_unscale, to_check), [*unscale, *check]
-            reading = self._check_local(book, checks, everything, unscaling, flags, counting)
-            verdict = self._vote(book, ballot, flags, reading, caller, None)
+            flags: Flags = {ballot.skip().device: ballot.skip()}
+            if own is not None:  # unconfirmed: check now, unscale after
+                groups_ = (to_unscale, to_check)
+                read = (book, groups_, [*unscale, *check], inv if has_scale else None, flags)
+                own.reading = self._check_local(*read, counting)
+            others = [(0, flag) for device, flag in flags.items() if device != ballot.skip().device]
+            others += [(i, flag) for i, c in enumerate(checks) for flag in _waiting_flags(c)]
+            self._fill(ballot, [c.reading for c in checks], counting)
+            verdicts = self._vote(book, ballot, others, caller, None, counting)
+            for check_, verdict in zip(checks, verdicts, strict=True):
+                check_.verdict = verdict
             if not has_scale and inv is not None:  # the group confirmed a scale: unscale now
                 self.kernels.multiply_(to_unscale, inv)
-        return verdict
 
     def check_for_later(
-        self, book: Iteration, scale: torch.Tensor, params: list[torch.Tensor]
-    ) -> Flags:
-        """`unscale_`'s local check of `params`' gradients, unscaling them: its flags and
-        readings wait in `book.pending` for the next agreement. Returns this rank's flags."""
+        self, book: Iteration, scale: torch.Tensor, check: Check, params: list[torch.Tensor]
+    ) -> None:
+        """`unscale_`'s local check of `params`' gradients, unscaling them: `check` keeps its
+        flags and readings, and waits for the next agreement."""
         with torch.no_grad():
-            groups, has_elements = self._walk.groups(params)
-            # the meter's step: an inf-norm clip may still undo it
-            counting = self._counting(book, scale.device, None)
+            groups, has_grads = self._walk.groups(params)
+            # the meter's step: counted now, at the scale the gradients still carry
+            counting = self._counting(book, scale.device)
             flags: Flags = {}
             inv = self.kernels.inverse(scale)
             checks: tuple[GradGroups, GradGroups] = (groups, {})
-            reading = self._check_local(book, checks, params, inv, flags, counting)
-        pending = book.pending
-        pending.flags.extend(flags.values())
-        pending.has_elements = pending.has_elements or has_elements
-        pending.readings.append(reading)
-        return flags
+            check.reading = self._check_local(book, checks, params, inv, flags, counting)
+        check.has_grads, check.local_flags = has_grads, flags
+        check.param_ids = frozenset(map(id, params))
 
-    def clip(self, book: Iteration, scale: torch.Tensor | None, request: ClipRequest) -> Verdict:
+    def clip(
+        self,
+        book: Iteration,
+        scale: torch.Tensor | None,
+        request: ClipRequest,
+        waiting: Sequence[Check] = (),
+    ) -> ClipResult:
         """`clip_grad_norm_`: the norm share of the request's gradients travels with the flags
-        (and the checks `unscale_` left pending) in ONE collective; then they are clipped (and
-        unscaled, unless `unscale_` did) to the agreed global norm. Without a `scale` (a
-        disabled scaler) only the norm is agreed on."""
-        kernels, norm_type = self.kernels, request.norm_type
+        (and with the checks `unscale_` left waiting) in ONE collective; then they are clipped
+        (and unscaled, unless `unscale_` did) to the agreed global norm. A waiting check over
+        some of the clip's parameters takes the clip's flags (its own join them: a step after
+        an overflowing clip is skipped), and keeps its own count of gradients; the others keep
+        their own verdicts. Without a `scale` (a disabled scaler) only the norm is agreed on,
+        and the gradients are clipped as torch clips them (a non-finite norm included)."""
+        norm_type = request.norm_type
         with torch.no_grad():
-            norms, plain, has_elements = self._walk.norm_groups(request.params, request.replicas)
+            norms, plain, has_grads = self._walk.norm_groups(request.params, request.replicas)
             # a disabled scaler has no scale: the gradients' device (the CPU without any)
             device = next(iter(norms), (torch.device("cpu"),))[0] if scale is None else scale.device
             if plain and scale is not None and not self.home.scaled_here and not self._warned:
                 world_size = self.exchange.world_size
                 self._warned = warn_plain_replicas_assumed(request.replicas, world_size)
-            counting = scale is not None and self._counting(book, device, norm_type)
+            own = Check(has_grads=has_grads, param_ids=frozenset(map(id, request.params)))
+            checks = [own, *waiting]
             has_scale = scale is None or not self.home.unconfirmed
-            ballot = self._ballot(book, device, has_elements, has_scale, norm_type, counting, scale)
-            unscaled = None if request.scaled else scale  # its gradients' peak is times the scale
-            wanted = scale is not None and (counting or self.home.host.policy.fit)
-            read = (book, (norms,), request.params, device)
-            reading = self._read(*read, unscaled, counting) if wanted else None
-            inv = kernels.inverse(scale) if request.scaled and scale is not None else None
-            # The norms' check raises the ballot's own slot (no kernel of its own) where a
-            # non-finite norm means a non-finite element; otherwise the elements are checked.
-            exact = exact_norm_check(norms, norm_type)
-            flags = {ballot.skip.device: ballot.skip}
-            factor = kernels.one(device) if inv is None else inv
-            kernels.local_norms_(
-                norms, norm_type, factor, flags if exact else {}, cast(torch.Tensor, ballot.norm)
-            )
-            if inv is not None and not exact:
-                kernels.check_(norms, None, flags)
-            verdict = self._vote(book, ballot, flags, reading, "clip_grad_norm_", norm_type)
-            total = cast(torch.Tensor, verdict.total_norm)  # exchanged with the flags
-            kernels.clip_(norms, request.max_norm, total, inv, verdict.flags[Flag.SKIP])
-        return verdict
+            uncovered = request.uncovered
+            ballot = self._ballot(book, device, "clip_grad_norm_", checks, has_scale, uncovered)
+            counting = scale is not None and self._counting(book, device)
+            inv = self._clip_check(book, ballot, own, norms, request, scale, counting)
+            merged = [
+                (0 if _overlaps(check, own) else unit, flag)
+                for unit, check in enumerate(checks)
+                for flag in _waiting_flags(check)
+            ]
+            self._fill(ballot, [check.reading for check in checks], counting)
+            verdicts = self._vote(book, ballot, merged, "clip_grad_norm_", norm_type, counting)
+            for unit, check in enumerate(checks):
+                merges = unit > 0 and _overlaps(check, own)
+                check.verdict = verdicts[0].sharing(verdicts[unit]) if merges else verdicts[unit]
+            total = self._total_norm(ballot, norm_type)
+            found_inf = None if scale is None else verdicts[0].flags[Flag.SKIP]
+            self.kernels.clip_(norms, request.max_norm, total, inv, found_inf)
+        uncovered_anywhere = move(ballot.tensor[Layout.UNCOVERED], ballot.device)
+        return ClipResult(verdicts[0], move(total, ballot.device), uncovered_anywhere)
+
+    def _clip_check(
+        self,
+        book: Iteration,
+        ballot: Ballot,
+        own: Check,
+        norms: NormGroups,
+        request: ClipRequest,
+        scale: torch.Tensor | None,
+        counting: bool,
+    ) -> torch.Tensor | None:
+        """A clip's local pass: what the fit and the meter read (into `own`, its check), this
+        rank's norm share into the ballot, and the check into its first slot. Returns the
+        inverse scale the gradients are still to be multiplied by (None: `unscale_()` divided
+        it out, or no scale)."""
+        kernels, norm_type, device = self.kernels, request.norm_type, ballot.device
+        unscaled = None if request.scaled else scale  # its gradients' peak is times the scale
+        wanted = scale is not None and (counting or self.home.host.policy.fit)
+        read = (book, (norms,), request.params, device)
+        own.reading = self._read(*read, unscaled, counting) if wanted else None
+        inv = kernels.inverse(scale) if request.scaled and scale is not None else None
+        # The norms' check raises the ballot's own slot (no kernel of its own) where a
+        # non-finite norm means a non-finite element; otherwise the elements are checked.
+        exact = exact_norm_check(norms, norm_type)
+        flags = {ballot.skip().device: ballot.skip()}
+        factor = kernels.one(device) if inv is None else inv
+        share = ballot.inf_norm_slot if math.isinf(norm_type) else ballot.norm
+        kernels.local_norms_(norms, norm_type, factor, flags if exact else {}, share)
+        if inv is not None and not exact:
+            kernels.check_(norms, None, flags)
+        return inv
 
     def _check_local(
         self,
@@ -341,197 +461,269 @@ class Agreement:
         largest = self.fp16.read(groups, params, device, scale, book) if fit else None
         return largest, counted(groups, device, scale) if counting else None
 
-    def _counting(self, book: Iteration, device: torch.device, norm_type: float | None) -> bool:
+    def _counting(self, book: Iteration, device: torch.device) -> bool:
         """Whether this step is one of the meter's: every `underflow_every` steps (0: never),
-        where its counts can be made and travel (`shardscale._bins`)."""
+        where its counts can be made (`shardscale._bins`)."""
         every = self._meter_every
         # `not step % every`: a Python bool even where torch.compile traces the step as a symbol
         if not every or book.step % every:
             return False
-        if counts_can_travel(device, norm_type):
+        if can_count(device):
             return True
         if not self._warned_meter:  # a meter step it cannot read: say so, once
             self._warned_meter = True
             warnings.warn(_METER_SKIPPED.format(step=book.step), ShardScaleWarning, stacklevel=5)
         return False
 
+    def identity(self, book: Iteration, caller: str, checks: int) -> int:
+        """The identity hash a ballot carries (module docstring): the call, its place in the
+        iteration, how many checks it carries; the state's origin, the policy, the settings
+        that decide when the scaler communicates."""
+        key = (caller, book.collectives, checks, self.home.origin, self._settings)
+        return zlib.crc32(repr((key, self.home.host.policy)).encode())
+
     def _ballot(
         self,
         book: Iteration,
         device: torch.device,
-        has_elements: bool,
+        caller: str,
+        checks: Sequence[Check],
         has_scale: bool,
-        norm_type: float | None,
-        counting: bool,
-        scale: object = True,
+        uncovered: bool = False,
     ) -> Ballot:
-        """This rank's fresh ballot, on the communication device for `device`, in one kernel: it
-        holds gradient elements where `unscale_`'s pending checks did too; with the norm's share
-        where `norm_type` travels, the fit's peaks (a slot per rank under a SUM) where a `scale`
-        is, the meter's counts on its steps. Its forward-overflow slot starts at 1 where some
-        loss of the iteration was inf or NaN, else at 0; the local check raises the skip slot
-        itself ([`Ballot.skip`][Ballot.skip])."""
-        summed = counting or (norm_type is not None and not math.isinf(norm_type))
-        fit = scale is not None and self.home.host.policy.fit
-        peaks = (self.exchange.world_size if summed else 1) if fit else 0
-        with_norm, loss_nonfinite = norm_type is not None, book.loss_nonfinite
-        has_elements = has_elements or book.pending.has_elements
-        templates = self._templates_for(device, has_elements, has_scale, with_norm, peaks, counting)
+        """This rank's fresh ballot for `checks` (the call's own first, then those waiting), on
+        the communication device for `device`, in one kernel (module docstring). Its
+        forward-overflow slots start at 1 where some loss of the iteration was inf or NaN, else
+        at 0; the local check raises the skip slots itself ([`Ballot.skip`][Ballot.skip])."""
+        if len(checks) > MAX_CHECKS:
+            raise RuntimeError(f"a ballot carries at most {MAX_CHECKS} checks, got {len(checks)}")
+        book.collectives += 1
+        identity = self.identity(book, caller, len(checks))
+        layout = Layout(self.exchange.world_size)
+        has = tuple(check.has_grads for check in checks)
+        templates = self._templates_for(device, layout, identity, has, (has_scale, uncovered))
+        loss_nonfinite = book.loss_nonfinite
         if loss_nonfinite is None:
             votes = templates[0].clone()
         else:
             votes = torch.where(move(loss_nonfinite, templates.device), templates[1], templates[0])
-        start, own = Slot.NORM + with_norm, self.exchange.rank if peaks > 1 else 0
-        peak_slots = votes[start : start + peaks] if peaks else None
+        own = self.exchange.rank
         return Ballot(
             votes,
+            layout,
             device,
-            has_elements,
-            has_scale,
-            skip=votes[Slot.SKIP],
-            norm=votes[Slot.NORM] if with_norm else None,
+            units=votes[Layout.UNITS].view(MAX_CHECKS, len(Unit)),
+            has=has,
+            has_scale=has_scale,
             loss_checked=loss_nonfinite is not None,
-            peaks=peak_slots,
-            peak_slot=None if peak_slots is None else peak_slots[own],
-            bins=votes[-BINS:] if counting else None,
+            peak_slot=votes[layout.peaks][own],
+            inf_norm_slot=votes[layout.inf_norms][own],
         )
 
     def _templates_for(
         self,
         device: torch.device,
-        has_elements: bool,
-        has_scale: bool,
-        with_norm: bool,
-        peaks: int,
-        counted: bool,
+        layout: Layout,
+        identity: int,
+        has: tuple[bool, ...],
+        scaled_uncovered: tuple[bool, bool],
     ) -> torch.Tensor:
         """A ballot's two rows (the second a non-finite loss's), on the communication device for
-        `device`: made once per shape and device by this agreement, and dying with it; by
-        kernels alone, no copy from the host, so that one first made while a CUDA graph captures
-        the step (a meter or clip step's shape) is legal there. `peaks`: how many slots the
-        fit's peaks take (1, or the world size under a SUM); `counted`: with the meter's 128
-        counts (a SUM)."""
-        key = (device, has_elements, has_scale, with_norm, peaks, counted)
+        `device`: made once per identity, gradients held, has-a-scale and uncovered-gradients
+        slots (`scaled_uncovered`) and device by this agreement, and dying with it; by kernels
+        alone, no copy from the host, so that one first made while a CUDA graph captures the
+        step (a meter or clip step's shape) is legal there."""
+        has_scale, uncovered = scaled_uncovered
+        key = (device, identity, has, scaled_uncovered)
         templates = self._templates.get(key)
         if templates is None:
-            size = Slot.NORM + with_norm + peaks + BINS * counted
             comm = self.exchange.comm_device(device)
-            templates = torch.zeros((2, size), dtype=torch.float32, device=comm)
-            templates[:, Slot.HAS_ELEMENTS].fill_(float(has_elements))
-            templates[:, Slot.SCALED].fill_(float(has_scale))
-            templates[1, Slot.FORWARD].fill_(1.0)  # the row of a non-finite loss
+            templates = torch.zeros((2, layout.size), dtype=torch.float32, device=comm)
+            templates[:, Layout.SCALED].fill_(float(has_scale))
+            templates[:, Layout.UNCOVERED].fill_(float(uncovered))
+            bits = templates[:, Layout.IDENTITY]
+            for bit in range(IDENTITY_BITS):
+                if identity >> bit & 1:
+                    bits[:, bit].fill_(1.0)
+            units = templates[:, Layout.UNITS].view(2, MAX_CHECKS, len(Unit))
+            for unit, held in enumerate(has):
+                units[:, unit, Unit.HAS].fill_(float(held))
+            units[1, : len(has), Unit.FORWARD].fill_(1.0)  # the row of a non-finite loss
+            if len(self._templates) > 64:  # identities change with loads and settings
+                self._templates.clear()
             self._templates[key] = templates
         return templates
+
+    def _fill(self, ballot: Ballot, readings: Sequence[Reading | None], counting: bool) -> None:
+        """Write this rank's readings into the ballot: the largest peak into its peak slot, the
+        counts added up into the bins (on the meter's steps)."""
+        peaks = [r[0] for r in readings if r is not None and r[0] is not None]
+        slot = ballot.peak_slot
+        if peaks:  # a NaN counts as an inf: an overflow, and survives the reduction
+            largest = (
+                peaks[0]
+                if len(peaks) == 1
+                else torch.stack([move(p, slot.device) for p in peaks]).amax()
+            )
+            torch.nan_to_num(move(largest, slot.device), nan=math.inf, posinf=math.inf, out=slot)
+        counts = [r[1] for r in readings if r is not None and r[1] is not None]
+        if counting and counts:
+            bins = ballot.bins
+            torch.sum(torch.stack([move(c, bins.device) for c in counts]), 0, out=bins)
 
     def _vote(
         self,
         book: Iteration,
         ballot: Ballot,
-        flags: Flags,
-        reading: Reading | None,
+        others: list[tuple[int, torch.Tensor]],
         caller: str,
         norm_type: float | None,
-    ) -> Verdict:
-        """The one collective on `ballot`, with this rank's `flags` on other devices than the
-        ballot's and those of `unscale_`'s pending checks, and what the fit and the meter read
-        (this check's `reading` and the pending ones'). Then the scale is confirmed where the
-        ballot had none. The pending checks are consumed: their records take the verdict."""
-        pending, book.pending = book.pending, PendingCheck()
-        if ballot.peaks is not None or ballot.bins is not None:
-            _fill_readings(ballot, [reading, *pending.readings])
-        others = pending.flags  # and this rank's flags on other devices than the ballot's
-        for device, flag in flags.items():
-            if device != ballot.skip.device:
-                others.append(flag)
-        verdict = self._reduce(ballot, others, step=book.step, caller=caller, norm_type=norm_type)
-        if ballot.peaks is not None:  # now the group's: the largest slot's, the only one of a MAX
-            largest = ballot.peaks[0] if len(ballot.peaks) == 1 else ballot.peaks.amax()
-            verdict.peak = move(power_above(largest), ballot.device)
-        if ballot.bins is not None:
-            verdict.counts = move(ballot.bins, ballot.device)
+        counting: bool,
+    ) -> list[Verdict]:
+        """The one collective on `ballot`, with `others` (this rank's flags not raised in the
+        ballot itself: those of other devices, and of `unscale_`'s waiting checks, each with
+        its unit); then the scale is confirmed where the ballot had none. Returns a verdict per
+        check, in the ballot's order; the fit's peak and the meter's counts go to `book`."""
+        verdicts = self._reduce(ballot, others, book=book, caller=caller, norm_type=norm_type)
+        if self.home.host.policy.fit:  # now the group's: the largest slot's
+            peaks = ballot.peaks
+            largest = peaks[0] if len(peaks) == 1 else peaks.amax()
+            book.peaks.append(move(power_above(largest), ballot.device))
+        if counting:
+            book.counts.append(move(ballot.bins, ballot.device))
         if not ballot.has_scale:  # the group confirmed that some rank scaled
             self.home.confirm()
         self.agreed_once = True
-        return verdict
+        return verdicts
 
     def _reduce(
         self,
         ballot: Ballot,
-        local_flags: Iterable[torch.Tensor],
+        others: Iterable[tuple[int, torch.Tensor]],
         *,
-        step: int,
+        book: Iteration,
         caller: str,
         norm_type: float | None = None,
-    ) -> Verdict:
+    ) -> list[Verdict]:
         """Combine this rank's ballot with every other rank's, in one collective, and read what
-        the group agreed.
+        the group agreed: a verdict per check.
 
         Args:
-            ballot: from [`_ballot()`][_ballot], its skip slot raised by the local check
-                where the gradients are on its device.
-            local_flags: float32 scalar flags of local checks, on any device (1.0: an element
-                was non-finite): those of other devices than the ballot's, and of checks made
-                before the ballot (`unscale_`); never the ballot's own slot.
-            step: the step being taken, for error messages.
+            ballot: from [`_ballot()`][_ballot], its first check's skip slot raised by the
+                local check where the gradients are on its device.
+            others: `(unit, flag)`: float32 scalar flags of local checks, on any device (1.0:
+                an element was non-finite), to raise that unit's skip slot with: those of
+                other devices than the ballot's, and of checks made before the ballot
+                (`unscale_`).
+            book: the iteration under way (its step names it in errors).
             caller: the method being called (`"step"`...), for the error where no rank ever
                 called `scale()` (a ballot without a scale asks).
-            norm_type: the p of the gradient norm whose share travels in the ballot's norm slot
-                (`Kernels.local_norms_` put it there), or None. The share must be non-finite
-                wherever the local check raised the ballot's slot (the norms' check does); flags
-                from other checks (`local_flags`) make it inf here, and so does any flag under
-                an inf-norm (a max, which NCCL may take NaN-blind). An inf-norm's shares combine
-                by max, others by sum.
+            norm_type: the p of the gradient norm whose share travels in the ballot (or None).
+                The share must be non-finite wherever the local check raised the first check's
+                slot (the norms' check does); flags from other checks make it inf here, and so
+                does any flag under an inf-norm.
 
         Raises:
-            RuntimeError: no rank holds any gradient element, or (a ballot without a scale) no
-                rank ever called `scale()`: every rank raises together, torch's words.
+            RuntimeError: (a ballot without a scale) no rank ever called `scale()`: every rank
+                raises together, torch's words.
+            ShardScaleMismatchError: the ranks' calls or scaler states differ (the identity).
             ShardScaleDistributedError: a rank did not arrive within `timeout`, or left.
         """
-        votes, slot, others = ballot.tensor, ballot.skip, False
-        for flag in local_flags:  # one kernel per other flag (devices, earlier checks)
+        votes, units, used, raised = ballot.tensor, ballot.units, ballot.used, False
+        for unit, flag in others:  # one kernel per other flag (devices, earlier checks)
+            slot = units[unit, Unit.SKIP]
             torch.maximum(slot, move(flag, slot.device), out=slot)
-            others = True
+            raised = raised or unit == 0
         if ballot.loss_checked:  # a forward overflow: a non-finite loss, gradients to match
-            votes[Slot.FORWARD].mul_(slot)
-        if norm_type is not None and (others or math.isinf(norm_type)):
-            votes[Slot.NORM].masked_fill_(slot > 0, math.inf)  # the overflow shows in the norm
-        summed_norm = norm_type is not None and not math.isinf(norm_type)
-        summed = summed_norm or ballot.bins is not None
+            units[:used, Unit.FORWARD].mul_(units[:used, Unit.SKIP])
+        if norm_type is not None and (raised or math.isinf(norm_type)):
+            share = ballot.inf_norm_slot if math.isinf(norm_type) else ballot.norm
+            share.masked_fill_(units[0, Unit.SKIP] > 0, math.inf)  # the overflow shows there
+        flags, head = units[:used, Unit.SKIP :], None  # [skip, forward] per check: Flag's order
+        mismatch = None
         if self.exchange.world_size > 1:
-            op = dist.ReduceOp.SUM if summed else dist.ReduceOp.MAX
-            what = "the overflow flag" + (" and gradient norm" if norm_type is not None else "")
-            self.exchange.all_reduce(votes, op, step, what)
-        if not (ballot.has_scale and ballot.has_elements):  # the one host read, these only
-            agreed = votes.tolist()
-            if not ballot.has_scale and agreed[Slot.SCALED] == 0.0:
-                raise RuntimeError(no_scale_message(caller))
-            if agreed[Slot.HAS_ELEMENTS] == 0.0:
-                raise RuntimeError(_NO_GRADS.format(world_size=self.exchange.world_size))
-        flags = votes[Slot.SKIP : Slot.FORWARD + 1]  # in Flag's order
-        if summed and self.exchange.world_size > 1:
+            what = "the overflow flags" + (" and gradient norm" if norm_type is not None else "")
+            self.exchange.all_reduce(votes, dist.ReduceOp.SUM, book.step, what)
             flags = flags.clamp(max=1.0)  # counts of ranks: exactly 0/1 after this
-        verdict = Verdict(flags=move(flags, ballot.device))
-        if norm_type is not None:
-            total = votes[Slot.NORM]
-            if summed_norm and norm_type != 1.0:
-                total = total.pow(1.0 / norm_type)
-            verdict.total_norm = move(total, ballot.device)
-        return verdict
+            if votes.device.type == "cpu":  # read at once: free, the host waited for it
+                head = self._agreed_head(ballot, book, caller)
+            else:  # on an accelerator: a mismatch holds every check, raised at the update
+                mismatch = self._mismatch_on_device(ballot)
+                flags = torch.maximum(flags, mismatch)
+        has = self._has_grads(ballot, head, caller)
+        moved = move(flags, ballot.device)
+        if mismatch is not None:
+            book.mismatches.append(move(mismatch, ballot.device))
+        return [Verdict(flags=moved[i], has_grads=has[i]) for i in range(used)]
 
+    def _agreed_head(self, ballot: Ballot, book: Iteration, caller: str) -> list[float]:
+        """The reduced ballot's head (the scale's slot, the identity, the checks), read on the
+        host; a mismatch of the identity raises, on every rank (they read the same tensor).
 
-def _fill_readings(ballot: Ballot, readings: Sequence[Reading | None]) -> None:
-    """Write this rank's readings into the ballot: the largest peak into its peak slot, the
-    counts added up into the bins (those a ballot without bins has no place for are dropped:
-    an inf-norm clip's, where the meter waits for the next of its steps)."""
-    peaks = [r[0] for r in readings if r is not None and r[0] is not None]
-    slot = ballot.peak_slot
-    if slot is not None and peaks:  # a NaN counts as an inf: an overflow, and survives a MAX
-        largest = (
-            peaks[0]
-            if len(peaks) == 1
-            else torch.stack([move(p, slot.device) for p in peaks]).amax()
+        Raises:
+            ShardScaleMismatchError: some rank's call or state differs; every rank's is named
+                (one gather, on every rank: each saw the mismatch in this collective).
+        """
+        head: list[float] = ballot.tensor[: Layout.UNITS.stop].tolist()
+        world_size = self.exchange.world_size
+        if all(bit in (0.0, world_size) for bit in head[Layout.IDENTITY]):
+            return head
+        mine = {
+            "call": f"{caller}() (collective {book.collectives} of step {book.step}, "
+            f"{ballot.used} check(s))",
+            "state": self.home.origin_note,
+        }
+        ranks = self.exchange.gather_objects(mine, book.step, "what each rank's ballot was")
+        named = "; ".join(
+            f"rank {rank}: {cast(dict[str, str], them)['call']}, "
+            f"its state {cast(dict[str, str], them)['state']}"
+            for rank, them in enumerate(ranks)
         )
-        torch.nan_to_num(move(largest, slot.device), nan=math.inf, posinf=math.inf, out=slot)
-    counts = [r[1] for r in readings if r is not None and r[1] is not None]
-    if ballot.bins is not None and counts:
-        torch.sum(torch.stack([move(c, ballot.bins.device) for c in counts]), 0, out=ballot.bins)
+        raise ShardScaleMismatchError(
+            f"step {book.step}: the {world_size} ranks met in the scaler's collective with "
+            f"different calls or different scaler states (its identity differs), so their "
+            f"decisions would part: {named}. Every rank must make the same calls to the scaler "
+            "in the same order, and load the same state (a checkpoint loaded on some ranks "
+            "only, or a stale copy on one node, differs); nothing of this step was applied"
+        )
+
+    def _mismatch_on_device(self, ballot: Ballot) -> torch.Tensor:
+        """On an accelerator, 1.0 where the reduced identity says some rank differs (a slot
+        neither 0 nor W), else 0.0: three kernels, no host read."""
+        bits = ballot.tensor[Layout.IDENTITY]
+        return torch.remainder(bits, float(self.exchange.world_size)).amax().clamp(max=1.0)
+
+    def _has_grads(self, ballot: Ballot, head: list[float] | None, caller: str) -> list[bool]:
+        """Whether some rank holds gradients for each check: known where this rank does; read
+        from the reduced ballot (one host read, unless read already) where it does not, or
+        where this rank had no scale (then also: did any rank scale?).
+
+        Raises:
+            RuntimeError: no rank ever called `scale()` (torch's words, on every rank).
+        """
+        if ballot.has_scale and all(ballot.has):
+            return list(ballot.has)
+        if head is None:
+            head = ballot.tensor[: Layout.UNITS.stop].tolist()
+        if not ballot.has_scale and head[Layout.SCALED] == 0.0:
+            raise RuntimeError(no_scale_message(caller))
+        start = Layout.UNITS.start + Unit.HAS
+        return [held or head[start + i * len(Unit)] > 0 for i, held in enumerate(ballot.has)]
+
+    def _total_norm(self, ballot: Ballot, norm_type: float) -> torch.Tensor:
+        """The agreed global norm: the largest inf-norm share, or the summed p-th powers' root."""
+        if math.isinf(norm_type):
+            shares = ballot.tensor[ballot.layout.inf_norms]
+            return shares[0] if len(shares) == 1 else shares.amax()
+        total = ballot.norm
+        return total if norm_type == 1.0 else total.pow(1.0 / norm_type)
+
+
+def _waiting_flags(check: Check) -> list[torch.Tensor]:
+    """The flags `unscale_()` raised for `check`, while it waits (none once agreed)."""
+    return list(check.local_flags.values()) if check.local_flags and check.verdict is None else []
+
+
+def _overlaps(check: Check, clip: Check) -> bool:
+    """Whether `check` (a waiting `unscale_()`'s) holds some of the clip's parameters."""
+    return not check.param_ids.isdisjoint(clip.param_ids)

@@ -3,23 +3,30 @@
 Public code reads `torch.amp.GradScaler`'s private members: skip detection sums
 `scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]`, trainers call
 `_found_inf_per_device`, torch's own tests call `_unscale_grads_`, optimizers that take the
-deprecated `step(grad_scaler=...)` call `_check_inf_per_device`. This module answers those
-reads for a [`ShardedGradScaler`][shardscale.ShardedGradScaler].
+deprecated `step(grad_scaler=...)` call `_check_inf_per_device`, and torch's own step body
+(a subclass's `step()`, or `torch.amp.GradScaler.step` run on ours) reads a state, calls
+`unscale_()` and `_maybe_opt_step()`, and writes the state's stage. This module answers those
+for a [`ShardedGradScaler`][shardscale.ShardedGradScaler].
 
 Invariant: a read never communicates, and a view costs nothing until it is read: nothing here
 runs on a step that nobody reads it (no kernel, no host read, no dict built, no collective).
-Once the group has agreed on an optimizer's gradients (in `step()`, `clip_grad_norm_()`, or a
-scaler's first `unscale_()`) every view answers with what it AGREED, the flag every rank holds
-alike. Between an `unscale_()` and the agreement it left for the next call, the only flag there
-is without a collective is this rank's own: the views answer it, as `torch.amp.GradScaler`'s do
-(its flags are always a rank's own), and warn that it is not the group's (docs/migration.md).
-A view that cannot be written as in torch refuses the write with an error naming what to use.
+`_per_optimizer_states[id(optimizer)]` is live, as torch's dict is: read before `unscale_()`,
+it answers what `unscale_()` did after. Once the group has agreed on an optimizer's gradients
+(in `step()`, `clip_grad_norm_()`, or a scaler's first `unscale_()`) every view answers with
+what it AGREED, the flag every rank holds alike, or nothing where no rank held a gradient (as
+torch's holds nothing then). Between an `unscale_()` and the agreement it left for the next
+call, the only flag there is without a collective is this rank's own: the views answer it, as
+`torch.amp.GradScaler`'s do (its flags are always a rank's own), and on several ranks warn that
+it is not the group's (docs/migration.md); a rank without a gradient there answers its own zero
+flag, so that torch's body (which asserts that some flag exists) reaches the agreement on every
+rank. torch's body then agrees where it decides: `_maybe_opt_step()` is our step, and a fused
+optimizer's step, which it runs itself, agrees first (`shardscale._stepping`).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any, NoReturn
 
 import torch
@@ -28,7 +35,14 @@ from torch.amp.grad_scaler import OptState
 from shardscale._errors import ShardScaleWarning
 from shardscale._grads import Flags, GradWalk, Kernels
 from shardscale._state import combined
-from shardscale._stepping import IterationBook, OptimizerRecord, leaves, optimizer_params
+from shardscale._stepping import (
+    IterationBook,
+    OptimizerRecord,
+    Stage,
+    Steps,
+    leaves,
+    optimizer_params,
+)
 
 LOCAL_FLAGS_WARNING = (
     "scaler._found_inf_per_device() / _per_optimizer_states read between unscale_() and the "
@@ -36,12 +50,15 @@ LOCAL_FLAGS_WARNING = (
     "call's one collective, and a read never communicates, so this is THIS rank's own flag "
     "(torch.amp.GradScaler's value), which may differ between ranks. Do not branch on it in "
     "ways that change what ranks do; read it after step() for the flag every rank agreed on. "
-    "(scaler._maybe_opt_step(optimizer, state) does not read it: it agrees as step() does.)"
+    "(torch's own step body does not decide on it: its _maybe_opt_step() agrees as step() "
+    "does, and a fused optimizer it steps agrees first.)"
 )
 
 _READ_ONLY = (
-    "scaler._per_optimizer_states is a read-only view of shardscale's agreed state (the flag "
-    "every rank holds alike): it cannot be written. Drive it with unscale_(), step() and update()."
+    "scaler._per_optimizer_states mirrors shardscale's agreed state (the flag every rank holds "
+    "alike): of its entries only 'stage' may be set, to OptState.STEPPED, as torch's step body "
+    "does after stepping an optimizer the scaler has seen. Drive it with unscale_(), step() "
+    "and update()."
 )
 
 
@@ -56,25 +73,62 @@ class ReadOnlyDict(dict[Any, Any]):
     clear = pop = popitem = setdefault = update = _refuse
 
 
-class OptimizerStates(Mapping[Any, ReadOnlyDict]):
-    """`_per_optimizer_states`: per `id(optimizer)`, its stage and its flag (module docstring).
+class OptimizerState(MutableMapping[str, Any]):
+    """`_per_optimizer_states[id(optimizer)]`, live: `{"stage": OptState, "found_inf_per_device":
+    {device: flag}}`, read from the optimizer's record at each read (module docstring); an
+    optimizer not seen in the iteration reads `{"stage": OptState.READY, "found_inf_per_device":
+    {}}`, as torch's fresh state. Writing `"stage"` as torch's step body does (STEPPED, after it
+    stepped the optimizer) marks it stepped; other writes are refused."""
 
-    Like torch's `defaultdict`, an optimizer not seen in the iteration reads
-    `{"stage": OptState.READY, "found_inf_per_device": {}}` (without being inserted). The view
-    holds the iteration it was taken in: after `update()` the scaler starts a new one (and
-    `scaler._per_optimizer_states` reads it, empty), as torch replaces its dict in
-    `update()`; a view kept from before still reads the old iteration, as torch's old dict.
+    def __init__(self, steps: Steps, book: IterationBook, key: object) -> None:
+        self._steps, self._book, self._key = steps, book, key
+
+    def _record(self) -> OptimizerRecord | None:
+        return self._book.records.get(self._key) if isinstance(self._key, int) else None
+
+    def __getitem__(self, name: str) -> Any:
+        record = self._record()
+        if name == "stage":
+            return OptState.READY if record is None else OptState[record.stage.name]
+        if name == "found_inf_per_device":
+            world_size = self._steps.agreement.exchange.world_size
+            return ReadOnlyDict() if record is None else flags_of([record], world_size)
+        raise KeyError(name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        record = self._record()
+        if name != "stage" or value is not OptState.STEPPED or record is None:
+            _refuse()
+        if record.stage is not Stage.STEPPED:
+            self._steps.stepped(record)
+
+    __delitem__ = _refuse
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("stage", "found_inf_per_device"))
+
+    def __len__(self) -> int:
+        return 2
+
+    def __repr__(self) -> str:
+        return repr(dict(self.items()))
+
+
+class OptimizerStates(Mapping[Any, OptimizerState]):
+    """`_per_optimizer_states`: per `id(optimizer)`, its live state (module docstring).
+
+    Like torch's `defaultdict`, an optimizer not seen in the iteration reads a fresh state
+    (without being inserted). The view holds the iteration it was taken in: after `update()`
+    the scaler starts a new one (and `scaler._per_optimizer_states` reads it, empty), as torch
+    replaces its dict in `update()`; a view kept from before still reads the old iteration, as
+    torch's old dict.
     """
 
-    def __init__(self, book: IterationBook) -> None:
-        self._book = book
+    def __init__(self, steps: Steps) -> None:
+        self._steps, self._book = steps, steps.book
 
-    def __getitem__(self, key: object) -> ReadOnlyDict:
-        record = self._book.records.get(key) if isinstance(key, int) else None
-        if record is None:  # torch's `_refresh_per_optimizer_state()`, not inserted
-            return ReadOnlyDict(stage=OptState.READY, found_inf_per_device=ReadOnlyDict())
-        stage = OptState[record.stage.name]
-        return ReadOnlyDict(stage=stage, found_inf_per_device=flags_of([record]))
+    def __getitem__(self, key: object) -> OptimizerState:
+        return OptimizerState(self._steps, self._book, key)
 
     def get(self, key: object, default: Any = None) -> Any:
         """As `dict.get`: `default` for an optimizer not seen (no default state made)."""
@@ -95,16 +149,25 @@ class OptimizerStates(Mapping[Any, ReadOnlyDict]):
         return f"{type(self).__name__}({dict(self.items())!r})"
 
 
-def flags_of(records: list[OptimizerRecord]) -> ReadOnlyDict:
+def flags_of(records: list[OptimizerRecord], world_size: int) -> ReadOnlyDict:
     """`{device: flag}` of `records`, as torch's states hold it: the agreed flag once the group
-    agreed; before, between `unscale_()` and its agreement, this rank's own (with a warning);
-    empty where none was checked."""
-    local = [flags for flags in map(OptimizerRecord.waiting_flags, records) if flags is not None]
+    agreed (none where no rank held a gradient); before, between `unscale_()` and its
+    agreement, this rank's own (with a warning, on several ranks; a zero flag where this rank
+    holds no gradient, so that the group's agreement is still reached); empty where none was
+    checked."""
     agreed = combined(record.verdict for record in records)
-    flags = {} if agreed is None else {agreed.found_inf.device: agreed.found_inf}
-    for device, flag in ((d, f) for piece in local for d, f in piece.items()):
-        flags[device] = torch.maximum(flags[device], flag) if device in flags else flag
-    if local:  # unscale_()d, not agreed: on every rank, with a gradient here or not
+    flags = {}
+    if agreed is not None and agreed.has_grads is not False:
+        flags[agreed.found_inf.device] = agreed.found_inf
+    waiting = [record for record in records if record.waiting_flags() is not None]
+    for record in waiting:
+        for device, flag in (record.waiting_flags() or {}).items():
+            flags[device] = torch.maximum(flags[device], flag) if device in flags else flag
+    if waiting and world_size > 1:  # unscale_()d, not agreed: on every rank, gradients or not
+        if not flags:
+            first = next(optimizer_params((waiting[0].optimizer,)), None)
+            device = torch.device("cpu") if first is None else first.device
+            flags[device] = torch.zeros((), dtype=torch.float32, device=device)
         warnings.warn(LOCAL_FLAGS_WARNING, ShardScaleWarning, stacklevel=3)
     return ReadOnlyDict(flags)
 
@@ -163,15 +226,16 @@ def found_inf_per_device(scaler: Any, optimizer: Any) -> dict[str, Any]:
     """
     book = scaler._steps.book
     records = [book.records[id(leaf)] for leaf in leaves(optimizer) if id(leaf) in book.records]
-    return flags_of(records)
+    return flags_of(records, scaler._agreement.exchange.world_size)
 
 
 def check_inf_per_device(scaler: Any, optimizer: Any) -> dict[str, Any]:
     """torch's `_check_inf_per_device`: check `optimizer`'s gradients (not unscaling them) and
     agree, in one collective.
 
-    torch's optimizers of the `grad_scaler=` protocol call it from their `step()`; the flag it
-    returns, and records for `update()`, is the group's, alike on every rank.
+    torch's optimizers of the `grad_scaler=` protocol call it from their `step()`, and torch's
+    step body for a fused optimizer; the flag it returns, and records for `update()`, is the
+    group's, alike on every rank.
 
     Raises:
         RuntimeError: no `scale()` yet on a rank alone (torch's words), or disabled.
@@ -213,14 +277,16 @@ def maybe_opt_step(
 ) -> Any:
     """torch's `GradScaler._maybe_opt_step` (`ShardedGradScaler._maybe_opt_step` itself:
     `scaler` is the scaler it is called on): the step body of subclasses and framework scalers
-    written on torch.amp, `unscale_(optimizer)` then this, runs `scaler.step(optimizer)`.
+    written on torch.amp, `unscale_(optimizer)` then this, runs our step of `optimizer`.
 
     torch's steps unless `optimizer_state`'s flags say inf/NaN; between `unscale_()` and the
     agreement those flags are this rank's own, so a rank holding the inf would skip while the
-    others step. Here the group's agreement decides, in the collective `step()` issues on every
-    rank (as torch's `ShardedGradScaler` agrees inside `unscale_`); `optimizer_state` is not read.
+    others step. Here the group's agreement decides, in the collective our step issues on
+    every rank (as torch's `ShardedGradScaler` agrees inside `unscale_`); `optimizer_state` is
+    not read. It is our step's machinery, never `scaler.step()`, which a subclass whose
+    `step()` is torch's body overrides (calling that would recurse).
     """
-    return scaler.step(optimizer, *args, **kwargs)
+    return scaler._steps.take(optimizer, None, args, kwargs)
 
 
 def torch_view(name: str, read: Callable[[Any], Any], instead: str) -> property:
@@ -251,13 +317,13 @@ def device_type(scaler: Any) -> str:
 def optimizer_states(scaler: Any) -> OptimizerStates:
     """Per `id(optimizer)`: `{"stage": OptState, "found_inf_per_device": {device: flag}}`.
 
-    A read-only view of this iteration, built when read: after `step()` the flag is the
-    AGREED one, so `sum(v.item() for v in ...["found_inf_per_device"].values())` says
-    whether the step was skipped, alike on every rank; between `unscale_()` and `step()`
-    this rank's own, with a warning (a read never communicates: docs/migration.md). After
-    `update()` it is empty, as torch's.
+    A live view of this iteration, read when read: after `step()` the flag is the AGREED one,
+    so `sum(v.item() for v in ...["found_inf_per_device"].values())` says whether the step was
+    skipped, alike on every rank; between `unscale_()` and `step()` this rank's own, with a
+    warning on several ranks (a read never communicates: docs/migration.md). After `update()`
+    it is empty, as torch's.
     """
-    return OptimizerStates(scaler._steps.book)
+    return OptimizerStates(scaler._steps)
 
 
 def start_value(field: str) -> Any:

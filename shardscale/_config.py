@@ -157,6 +157,20 @@ class ScalerConfig:
             fit=self.scale_policy == "fit",
         )
 
+    def collective_settings(self) -> tuple[object, ...]:
+        """The settings that decide when the scaler communicates (a retry's collective,
+        `verify_every`'s and `locate_overflow`'s gathers, an alarm's), and what its meter
+        counts: part of every ballot's identity (`shardscale._check`), so that ranks built with
+        different ones find out at their first collective."""
+        return (
+            self.locate_overflow,
+            self.verify_every,
+            self.max_consecutive_skips,
+            self.max_overflows_at_floor,
+            self.max_retries,
+            self.underflow_every,
+        )
+
     def passed_policy(self) -> frozenset[str]:
         """`passed`, named as the policy's attributes (`scale_policy` is its `fit`)."""
         return frozenset("fit" if name == "scale_policy" else name for name in self.passed)

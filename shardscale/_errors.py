@@ -18,6 +18,15 @@ def no_scale_message(funcname: str) -> str:
     )
 
 
+def no_inf_checks_message(world_size: int) -> str:
+    """torch's error for an optimizer none of whose parameters holds a gradient, in torch's
+    words, then the rule: on no rank of the group."""
+    return (
+        "No inf checks were recorded for this optimizer: none of its parameters has a gradient "
+        f"on any of the {world_size} rank(s). Call scaler.scale(loss).backward() before step()."
+    )
+
+
 # torch's FutureWarning, word for word, for optimizers whose step() takes `grad_scaler`.
 GRAD_SCALER_WARNING = (
     "GradScaler is going to stop passing itself as a keyword argument to the passed "
@@ -39,6 +48,16 @@ class ShardScaleDistributedError(RuntimeError):
 
     For example, a rank never arrived at the agreement collective, or no rank had a gradient
     to check. The message names the step, the process group's size and what was awaited.
+    """
+
+
+class ShardScaleMismatchError(ShardScaleDistributedError):
+    """The ranks met in the scaler's collective with different calls or different states.
+
+    For example, one rank clipped and another stepped, or one rank loaded a checkpoint the
+    others did not. Every rank finds it in the same collective and raises it there, naming each
+    rank's call and state, without `TORCH_DISTRIBUTED_DEBUG` (the ballot carries an identity:
+    docs/reliability.md). Nothing of that step was applied.
     """
 
 

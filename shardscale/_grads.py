@@ -81,7 +81,7 @@ def move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def local_grads(params: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], list[int], bool]:
     """The local gradients of `params` that exist, their positions in `params`, and whether any
-    holds an element (an empty shard does not).
+    exists (an empty shard's counts, as torch records an inf check for any gradient it holds).
 
     An uncoalesced sparse gradient is coalesced in place on its parameter first (half precision
     sums through fp32; see the module docstring); `local_grad` reads one without touching it.
@@ -93,7 +93,7 @@ def local_grads(params: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], l
     # disabled, 0.1 us, as on a plain tensor. This runs per parameter per step.
     with no_torch_function_subclass():
         grads: list[torch.Tensor | None] = list(map(_GRAD, params))
-    present, positions, has_elements = [], [], False
+    present, positions = [], []
     for position, grad in enumerate(grads):
         if grad is None:
             continue
@@ -111,8 +111,7 @@ def local_grads(params: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], l
             grad = sparse_values(grad)
         present.append(grad)
         positions.append(position)
-        has_elements = has_elements or grad.numel() > 0
-    return present, positions, has_elements
+    return present, positions, bool(present)
 
 
 def local_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -237,26 +236,26 @@ class GradWalk:
 
     def groups(self, params: Iterable[torch.Tensor]) -> tuple[GradGroups, bool]:
         """`params`' local gradients by (device, dtype): one fused kernel call per group; and
-        whether any holds an element.
+        whether any exists.
 
         Raises:
             TypeError: a gradient is not floating point.
         """
-        grads, _positions, has_elements = local_grads(tuple(params))
+        grads, _positions, held = local_grads(tuple(params))
         groups: GradGroups = {}
         if grads:
             for key, (tensor_lists, _indices) in group_by_device_and_dtype(
                 [cast(Any, grads)]
             ).items():
                 groups[key] = cast(list[torch.Tensor], tensor_lists[0])
-        return groups, has_elements
+        return groups, held
 
     def norm_groups(
         self, params: Iterable[torch.Tensor], plain: int
     ) -> tuple[NormGroups, bool, bool]:
         """`params`' local gradients by (device, dtype, replica count) for a global norm
         ([`NormGroups`][]; `plain`: how many ranks hold the same plain gradients); whether any
-        was a plain tensor (its count came from `plain`); whether any holds an element.
+        was a plain tensor (its count came from `plain`); whether any exists.
 
         On the CPU a kernel over many tensors is a loop of kernels (a norm ~2 us each): a group
         tiling one buffer back to back is taken as one view of it ([`_one_view`][]), for 0.5 us
@@ -266,7 +265,7 @@ class GradWalk:
             TypeError: a gradient is not floating point.
         """
         params = tuple(params)
-        grads, positions, has_elements = local_grads(params)
+        grads, positions, held = local_grads(params)
         groups: NormGroups = {}
         any_plain = False
         grouped = group_by_device_and_dtype([cast(Any, grads)], with_indices=True) if grads else {}
@@ -282,7 +281,7 @@ class GradWalk:
             view = _one_view(tensors) if key[0].type == "cpu" else None
             if view is not None:
                 groups[key] = [view]
-        return groups, any_plain, has_elements
+        return groups, any_plain, held
 
     def _replica_count(self, param: torch.Tensor, plain: int) -> tuple[int, bool]:
         """How many ranks hold the same local gradient elements as this rank does for `param`,
@@ -495,7 +494,7 @@ class Kernels:
         max_norm: float,
         total_norm: torch.Tensor,
         inv_scale: torch.Tensor | None,
-        found_inf: torch.Tensor,
+        found_inf: torch.Tensor | None,
     ) -> None:
         """Pass 2: multiply every gradient by `inv_scale * min(1, max_norm / (total + 1e-6))`.
 
@@ -503,7 +502,8 @@ class Kernels:
         On an overflow (`found_inf` 1.0: the step will be skipped) it only unscales, where torch
         would turn the gradients to NaN, so that what overflowed can still be seen. A norm that
         is non-finite without an overflow (p-th powers beyond float32's range, p > 2) clips to
-        zero, as torch does.
+        zero, as torch does. Without `found_inf` (a disabled scaler, which skips nothing) it
+        clips exactly as torch does: a non-finite norm turns the gradients to 0 or NaN.
         """
         device = total_norm.device
         known = self._max_norm.get(device)
@@ -511,8 +511,10 @@ class Kernels:
             full = torch.full((), max_norm, dtype=torch.float32, device=device)
             known = self._max_norm[device] = (max_norm, full)
         coef = torch.div(known[1], total_norm + _CLIP_EPS)
-        # fmin/fmax ignore a NaN (a NaN norm: an overflow), so an overflow gives exactly 1.
-        factor = torch.fmax(torch.fmin(coef, self.one(device)), found_inf)
+        if found_inf is None:  # torch's clamp, which keeps a NaN
+            factor = torch.clamp(coef, max=1.0)
+        else:  # fmin/fmax ignore a NaN (a NaN norm: an overflow), so an overflow gives exactly 1
+            factor = torch.fmax(torch.fmin(coef, self.one(device)), found_inf)
         if inv_scale is not None:
             factor = factor * move(inv_scale, device)
         self.multiply_(groups, factor)

@@ -134,6 +134,9 @@ FIT_MARGIN = 1
 FIT_MAX_MARGIN = 8
 # Consecutive overflows the fit's backoff counts: the next backs off `2**streak` times, 16 at most.
 FIT_MAX_STREAK = 4
+# A forward overflow holds the growth tracker this far below zero while torch's update kernel
+# counts a clean step, where one more cannot reach the interval (a tracker is < 2**30).
+_HOLD = 2**30
 
 
 # `scale_policy`'s values: torch's growth after an interval, or the scale that fits.
@@ -252,10 +255,10 @@ class ScalePolicy:
     def check_state(self, state: ScaleState) -> None:
         """Raise ValueError unless `state` is reachable under this policy."""
         self.check_scale("scale", state.scale)
-        if not 0 <= state.growth_tracker < self.growth_interval:
+        if not 0 <= state.growth_tracker < _HOLD:  # at or past the interval: no growth, as torch
             raise ValueError(
-                f"_growth_tracker must be in [0, growth_interval) = [0, {self.growth_interval}), "
-                f"got {state.growth_tracker}"
+                f"_growth_tracker must be in [0, 2**30), got {state.growth_tracker} (at or past "
+                "growth_interval it counts on without growing until an overflow, as torch's)"
             )
         if not 1 <= state.hysteresis_tracker <= self.hysteresis:
             raise ValueError(
@@ -272,7 +275,8 @@ class ScalePolicy:
             )
 
     def initial_state(self, init_scale: float) -> ScaleState:
-        """The state before the first step, at scale `init_scale` (float32, as on the device).
+        """The state before the first step, at scale `init_scale` (as given: rounded to float32
+        when a device holds it).
 
         Raises:
             TypeError, ValueError: `init_scale` is not a finite number in
@@ -280,7 +284,8 @@ class ScalePolicy:
         """
         scale = check_real("init_scale", init_scale)
         self.check_scale("init_scale", scale)
-        return ScaleState(scale=_f32(scale), growth_tracker=0, hysteresis_tracker=self.hysteresis)
+        # as given: torch's get_scale() and state_dict() answer it so until a device holds it
+        return ScaleState(scale=scale, growth_tracker=0, hysteresis_tracker=self.hysteresis)
 
     def next(
         self,
@@ -299,6 +304,7 @@ class ScalePolicy:
             seen: the fit's bound of the step's largest unscaled gradient: the power of two just
                 above it (0: no non-zero gradient). Ignored by the interval rule.
         """
+        state = replace(state, scale=_f32(state.scale))  # as the device holds it
         if not self.dynamic or forward:
             return state
         if self.fit:
@@ -357,6 +363,7 @@ class ScalePolicy:
         forward: torch.Tensor | None = None,
         *,
         clean: bool = False,
+        past_interval: bool = False,
     ) -> None:
         """Apply [`next()`][next] in place to the device tensors, without a host sync.
 
@@ -369,14 +376,19 @@ class ScalePolicy:
             forward: float32 scalar, 1.0 on a forward overflow; None where the caller knows
                 there was none. Two kernels hold the state then: torch's kernel counts a
                 clean step (`found_inf` is 0), so the growth tracker is first set back by
-                one, and the scale cannot grow.
+                one, and the scale cannot grow, where the tracker is below the interval.
             clean: the host knows that `found_inf` is 0: the scale can only grow, so without
                 a finite `max_scale` no clamp is needed (torch's kernel never grows it to inf).
+            past_interval: the tracker may be at or past the interval (`growth_interval` was
+                lowered below it, or a state loaded with it there): a forward overflow then
+                sets it far below zero instead (`_HOLD`, where counting one cannot reach the
+                interval) and back after, one kernel more.
         """
         if not self.dynamic:
             return
-        if forward is not None:
-            growth_tracker.sub_(forward.to(torch.int32))
+        held = None if forward is None else forward.to(torch.int32)
+        if held is not None:
+            growth_tracker.sub_(held, alpha=_HOLD if past_interval else 1)
         # torch's own update kernel (back off, or grow after the interval), then the floor and
         # ceiling, which it does not know (none needed for a growth without a ceiling: `clean`).
         # With hysteresis around it: an overflow still tolerated keeps the old scale (the kernel
@@ -386,6 +398,8 @@ class ScalePolicy:
         kept = None if tolerated is None else scale.clone()
         factors = (self.growth_factor, self.backoff_factor, self.growth_interval)
         update_scale_(scale, growth_tracker, found_inf, *factors)
+        if held is not None and past_interval:
+            growth_tracker.add_(held, alpha=_HOLD - 1)
         if not (clean and math.isinf(self.max_scale)):
             scale.clamp_(min=self.min_scale, max=self.max_scale)
         if tolerated is None or kept is None:

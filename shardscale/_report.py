@@ -38,10 +38,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
 
+import torch
 from torch.utils.hooks import RemovableHandle
 
 from shardscale._bins import UNDERFLOW_TARGET
-from shardscale._errors import ShardScaleNonFiniteError, ShardScaleSkipError, ShardScaleWarning
+from shardscale._errors import (
+    ShardScaleMismatchError,
+    ShardScaleNonFiniteError,
+    ShardScaleSkipError,
+    ShardScaleWarning,
+)
 from shardscale._locate import LOSS, NonFiniteGrad, logger
 from shardscale._policy import MIN_SCALE, ScalePolicy
 from shardscale._state import (
@@ -51,6 +57,7 @@ from shardscale._state import (
     Counters,
     DeviceState,
     Landing,
+    count_values,
     device_path,
     unpack,
 )
@@ -74,6 +81,7 @@ class Alarm(Enum):
     STUCK = "max_overflows_at_floor gradient overflows in a row there: the error"
     SKIP_LIMIT = "more than max_consecutive_skips skipped steps in a row: the error"
     LOSS_STREAK = "LOSS_STREAK_WARNING non-finite losses in a row: a warning, once a streak"
+    MISMATCH = "a collective whose identity said the ranks differ, on an accelerator: the error"
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,17 +180,23 @@ class StepReporter:
         # The forward overflows counted so far (delivered, or loaded): a step that adds one was
         # skipped for its loss, not its gradients.
         self._forward_overflows = 0
+        self._failures: list[str] = []  # the listeners' failures, said by `warn_failures`
         self.lock = threading.RLock()
         """Held while an update moves the state and tells of it, and while `stats` is read: a
         thread reading `stats` (docs/reliability.md) sees one step's numbers whole, and takes
         the stats in flight at most once. Reentrant: a hook may read `stats`."""
 
     def restart(self, counters: Counters) -> None:
-        """A state was loaded: forget the copies in flight and the streaks, count from
-        `counters`."""
-        self._stats = self._trigger = None
-        self._streak_at = None
+        """A state was loaded: forget the copies in flight; watch the streaks from `counters`,
+        as a rank that holds them without loading does (its copy of the last step's, landed),
+        so that every rank that holds the same state sounds its alarms at the same update."""
+        self._stats = None
+        values = [float(value) for value in count_values(counters)]
+        self._trigger = (counters.steps, Landing(torch.tensor(values), lambda: None), 0)
+        self._streak_at = counters.steps if self._streaking(values) else None
+        self._read = [int(value) for value in values]
         self._forward_overflows = counters.forward_overflows
+        self._unlogged_skips = 0
 
     def register(self, hook: StatsHook) -> RemovableHandle:
         handle = RemovableHandle(self.hooks)
@@ -255,7 +269,8 @@ class StepReporter:
         if not counters:
             return False
         skips = self.max_consecutive_skips is not None and counters[Count.CONSECUTIVE] > 0
-        return bool(counters[Count.FLOOR_STREAK] or counters[Count.LOSS_STREAK] or skips)
+        streaks = counters[Count.FLOOR_STREAK] or counters[Count.LOSS_STREAK]
+        return bool(streaks or counters[Count.MISMATCH] or skips)
 
     def _alarm(
         self,
@@ -274,6 +289,8 @@ class StepReporter:
         limit, skips = self.max_overflows_at_floor, self.max_consecutive_skips
         if limit is not None and floor >= limit:
             return Alarm.STUCK
+        if read[Count.MISMATCH]:
+            return Alarm.MISMATCH
         if skips is not None and read[Count.CONSECUTIVE] > skips:
             return Alarm.SKIP_LIMIT
         floor = floor or int(before[Count.FLOOR_STREAK] if before else 0)
@@ -299,7 +316,15 @@ class StepReporter:
             try:
                 hook(stats)
             except Exception as error:  # a listener's failure is its own: said, not raised
-                warnings.warn(_hook_failed_message(hook, stats, error), ShardScaleWarning, 2)
+                self._failures.append(_hook_failed_message(hook, stats, error))
+
+    def warn_failures(self) -> None:
+        """Say the listeners' failures since the last time, each once: called where the
+        iteration is closed and every collective of the call is behind (where warnings are
+        errors, this rank raises then, and goes on like its peers)."""
+        failures, self._failures = self._failures, []
+        for message in failures:
+            warnings.warn(message, ShardScaleWarning, stacklevel=3)
 
     def _log_skip(self, stats: ScalerStats, forward: bool) -> None:
         if not logger.isEnabledFor(logging.INFO):
@@ -342,7 +367,16 @@ class StepReporter:
         Raises:
             ShardScaleNonFiniteError: `Alarm.STUCK`, on every rank alike.
             ShardScaleSkipError: `Alarm.SKIP_LIMIT`, on every rank alike.
+            ShardScaleMismatchError: `Alarm.MISMATCH`, on every rank alike.
         """
+        if alarm is Alarm.MISMATCH:
+            raise ShardScaleMismatchError(
+                f"step {step}: at a collective of this step or the one before, the ranks met "
+                "with different calls or different scaler states (the ballot's identity "
+                "differed; on an accelerator it is read at the update, not at the collective). "
+                "Every step since was skipped on every rank. Every rank must make the same "
+                "calls to the scaler in the same order, and load the same state."
+            )
         grads = [record for record in located if record.name != LOSS]
         where = "; ".join(map(str, grads[:_NAMED])) or "none left (cleared before this update)"
         if len(grads) > _NAMED:

@@ -9,6 +9,7 @@ path by which the state changes. The iteration under way is `shardscale._steppin
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
@@ -55,15 +56,28 @@ class ScalerState:
     counters: Counters
 
 
+def count_values(c: Counters) -> tuple[int, ...]:
+    """`DeviceState.counters`' values for `c`, in `Count`'s order (the streaks start afresh)."""
+    head = (c.steps, c.skipped_steps, c.consecutive_skips)
+    return (*head, c.steps - c.last_overflow_step, c.forward_overflows, c.retries, 0, 0, 0)
+
+
+def fingerprint(state: ScalerState) -> int:
+    """A hash of `state`, the same on every rank that holds it (not Python's `hash`, which
+    differs between processes)."""
+    return zlib.crc32(repr(state).encode())
+
+
 # The slots of `DeviceState.counters`: `Counters`' fields (SINCE_OVERFLOW: steps since the last
 # overflow), then the streaks the scaler watches: FLOOR_STREAK, consecutive gradient overflows
 # that left the scale at its floor (or, with `dynamic=False`, at its one value); LOSS_STREAK,
-# consecutive forward overflows. One more slot of their update, BACKOFF: the gradient overflow the
-# policy backs off for.
+# consecutive forward overflows; MISMATCH, the collectives whose identity said the ranks differ
+# (counted on an accelerator, where it is not read at once: `shardscale._check`). One more slot of
+# their update, BACKOFF: the gradient overflow the policy backs off for.
 Count = IntEnum(
     "Count",
     "STEPS SKIPPED CONSECUTIVE SINCE_OVERFLOW FORWARD_OVERFLOWS RETRIES FLOOR_STREAK LOSS_STREAK "
-    "BACKOFF",
+    "MISMATCH BACKOFF",
     start=0,
 )
 COUNTERS = Count.BACKOFF  # how many are kept
@@ -82,6 +96,7 @@ _UPDATE = {
     Count.RETRIES: ((1, 0, 0), (0, 0, 0)),
     Count.FLOOR_STREAK: ((0, 1, 0), (0, 1, -1)),
     Count.LOSS_STREAK: ((0, 0, 1), (0, 0, 1)),
+    Count.MISMATCH: ((1, 0, 0), (0, 0, 0)),
     Count.BACKOFF: ((0, 0, 0), (0, 1, -1)),
 }
 # as matrices: [keep..., add...] = base + [s, f] @ slopes
@@ -94,28 +109,58 @@ _COUNT_TERMS = [
 Flag = IntEnum("Flag", "SKIP FORWARD", start=0)
 
 
+class FlagsBlock:
+    """The agreed `[skip, forward]` flags of every check of one collective: the first host read
+    of one check's decision reads them all (one synchronisation for the collective's checks)."""
+
+    def __init__(self, flags: torch.Tensor) -> None:
+        self.flags = flags
+        self._skips: list[bool] | None = None
+
+    def skipped(self, row: int) -> bool:
+        """Whether check `row` was agreed skipped (one host read, the first time)."""
+        if self._skips is None:
+            if len(self.flags) == 1:
+                self._skips = [bool(self.flags[0, Flag.SKIP].item())]
+            else:
+                self._skips = [pair[Flag.SKIP] > 0 for pair in self.flags.tolist()]
+        return self._skips[row]
+
+    def mark_skipped(self) -> None:
+        """Every check reads as skipped now (`record_overflow()` set their flags)."""
+        self._skips = [True] * len(self.flags)
+
+
 @dataclass(slots=True, eq=False)
 class Verdict:
     """What the group agreed on, identical on every rank: made by the agreement
-    (`shardscale._check`), recorded by a step's bookkeeping (`shardscale._stepping`), and what
-    moves the state here ([`DeviceState.apply_()`][DeviceState.apply_]).
+    (`shardscale._check`), one per check, recorded by a step's bookkeeping
+    (`shardscale._stepping`); an iteration's, combined, moves the state here
+    ([`DeviceState.apply_()`][DeviceState.apply_]).
 
     Attributes:
         flags: float32 `[skip, forward overflow]` on the scale's device, each exactly 0.0 or 1.0.
-        total_norm: The global gradient norm (float32 scalar), when one was exchanged; non-finite on
-            every rank when any rank's gradients overflowed.
+        has_grads: Whether some rank held a gradient for the check (None: not known, a combined
+            verdict's of checks that differ).
         read: What [`skipped()`][skipped] read on the host; None: not read (a fused step's verdict).
-        peak: The power of two just above the group's largest |scaled gradient| (float32 scalar; 0
-            where none was finite and non-zero), where the fit's peaks travelled
-            (`shardscale._bins`).
-        counts: The group's non-zero |scaled gradient| elements by bin (float32; the meter's steps).
+        block, row: The flags of every check of its collective, and which row is its own, so
+            that one host read serves them all (None: a verdict made here, of several).
+        peak: An iteration's: the power of two just above the group's largest |scaled gradient|
+            (float32 scalar; 0 where none was finite and non-zero), where the fit read it.
+        counts: An iteration's: the group's non-zero |scaled gradient| elements by bin (float32;
+            the meter's steps).
+        mismatch: An iteration's: 1.0 where a collective's identity said the ranks differ, on an
+            accelerator (float32 scalar; None: none could be unread).
     """
 
     flags: torch.Tensor
-    total_norm: torch.Tensor | None = None
+    has_grads: bool | None = None
     read: bool | None = None
+    block: FlagsBlock | None = None
+    row: int = 0
     peak: torch.Tensor | None = None
     counts: torch.Tensor | None = None
+    mismatch: torch.Tensor | None = None
 
     @property
     def found_inf(self) -> torch.Tensor:
@@ -124,29 +169,48 @@ class Verdict:
 
     def skipped(self) -> bool:
         """Whether the group said skip: one host read the first time (a plain step's one
-        synchronisation), remembered for the step's later questions."""
+        synchronisation, shared with its collective's other checks), remembered for the
+        step's later questions."""
         if self.read is None:
-            self.read = bool(self.flags[Flag.SKIP].item())
+            if self.block is not None:
+                self.read = self.block.skipped(self.row)
+            else:
+                self.read = bool(self.flags[Flag.SKIP].item())
         return self.read
+
+    def sharing(self, other: Verdict) -> Verdict:
+        """This verdict's flags, with `other`'s count of gradients (a check that takes a clip's
+        decision, but keeps its own no-gradient rule)."""
+        return Verdict(self.flags, other.has_grads, self.read, self.block, self.row)
+
+
+def verdicts_of(flags: torch.Tensor, has_grads: list[bool]) -> list[Verdict]:
+    """The verdicts of one collective's checks: `flags` (`[checks, 2]`), one host read for all."""
+    block = FlagsBlock(flags)
+    return [Verdict(flags[i], held, block=block, row=i) for i, held in enumerate(has_grads)]
 
 
 def combined(verdicts: Iterable[Verdict | None]) -> Verdict | None:
-    """One verdict for several (of several optimizers, agreements, leaves of a container): the
-    one they share (the usual case), else a new one whose flags are the largest of theirs (not
-    read on the host yet), peaks the largest, counts added up; None where
-    none is given."""
-    distinct: list[Verdict] = []
+    """One verdict for several (of several optimizers, checks, leaves of a container): the one
+    they share (the usual case), else a new one whose flags are the largest of theirs; read
+    where each was read (skipped if any was), holding gradients where any did. None where none
+    is given."""
+    distinct: dict[tuple[int, int], Verdict] = {}
     for verdict in verdicts:
-        if verdict is not None and verdict not in distinct:  # by identity
-            distinct.append(verdict)
+        if verdict is not None:  # by the flags it reads: a check merged into a clip's shares them
+            key = (
+                (id(verdict.block), verdict.row) if verdict.block is not None else (id(verdict), 0)
+            )
+            distinct.setdefault(key, verdict)
     if len(distinct) <= 1:
-        return distinct[0] if distinct else None
-    device = distinct[0].flags.device
-    verdict = Verdict(torch.stack([move(v.flags, device) for v in distinct]).amax(0))
-    peaks = [move(v.peak, device) for v in distinct if v.peak is not None]
-    verdict.peak = torch.stack(peaks).amax() if peaks else None
-    counts = [move(v.counts, device) for v in distinct if v.counts is not None]
-    verdict.counts = torch.stack(counts).sum(0) if counts else None
+        return next(iter(distinct.values()), None)
+    parts = list(distinct.values())
+    device = parts[0].flags.device
+    verdict = Verdict(torch.stack([move(v.flags, device) for v in parts]).amax(0))
+    reads = [v.read for v in parts]
+    verdict.read = True if True in reads else (False if None not in reads else None)
+    held = [v.has_grads for v in parts]
+    verdict.has_grads = True if True in held else (False if None not in held else None)
     return verdict
 
 
@@ -242,10 +306,10 @@ class DeviceState:
         growth_tracker: int32 scalar.
         hysteresis_tracker: int32 scalar.
         counters: float64, by `Count`: `[steps, skipped_steps, consecutive_skips, steps since the
-            last overflow, forward_overflows, retries, floor streak, loss streak]` (exact to
-            2**53). Steps since the last overflow rather than its step number, because it updates
-            with the same multiply-add as the others.
-        count_terms: `_COUNT_TERMS` on this device (float32, 3 x 18: the base, then the slopes).
+            last overflow, forward_overflows, retries, floor streak, loss streak, mismatches]`
+            (exact to 2**53). Steps since the last overflow rather than its step number, because
+            it updates with the same multiply-add as the others.
+        count_terms: `_COUNT_TERMS` on this device (float32, 3 x 20: the base, then the slopes).
         fit: float32 `[margin, streak, window...]`: the fit's fields of
             [`ScaleState`][shardscale.ScaleState].
         meter: float64 `[step, fraction, scale]`: the meter's last reading
@@ -276,19 +340,23 @@ class DeviceState:
         return device_state
 
     def write(self, state: ScalerState) -> None:
-        """Overwrite the tensors in place with `state` (keeping their identity)."""
+        """Overwrite the tensors in place with `state` (keeping their identity); the meter has
+        read nothing of it yet."""
         self.scale.fill_(state.scale.scale)
         self.growth_tracker.fill_(state.scale.growth_tracker)
         self.hysteresis_tracker.fill_(state.scale.hysteresis_tracker)
-        c = state.counters
-        head = (c.steps, c.skipped_steps, c.consecutive_skips)  # in Count's order
-        values = (*head, c.steps - c.last_overflow_step, c.forward_overflows, c.retries, 0, 0)
-        self.counters.copy_(torch.tensor(values, dtype=torch.float64))  # the streaks start afresh
+        values = count_values(state.counters)
+        self.counters.copy_(torch.tensor(values, dtype=torch.float64))
         fit = state.scale
         self.fit.copy_(torch.tensor([fit.margin, fit.streak, *fit.window]))
+        self.meter.zero_()
 
     def apply_(
-        self, policy: ScalePolicy, verdict: Verdict, manual: torch.Tensor | None = None
+        self,
+        policy: ScalePolicy,
+        verdict: Verdict,
+        manual: torch.Tensor | None = None,
+        past_interval: bool = False,
     ) -> None:
         """Count one step and move the scale, from the group's `verdict`, without a host sync.
 
@@ -299,7 +367,8 @@ class DeviceState:
         scale for, nor a backoff to floor: kernels fewer; the bound of the largest scaled
         gradient (`peak`, the fit's); the meter's counts (read at the scale the gradients
         carried, before it moves). `manual`: set the scale to this instead of moving it
-        (`update(new_scale=...)`).
+        (`update(new_scale=...)`); `past_interval`: the growth tracker may be at or past the
+        interval (`ScaleHome.past_interval`).
         """
         flags, clean = verdict.flags, verdict.read is False
         terms = self.count_terms
@@ -319,9 +388,12 @@ class DeviceState:
         elif clean:
             policy.update_(self.scale, *trackers, flags[Flag.SKIP], clean=True)
         else:  # a gradient overflow backs off; a forward one holds
-            policy.update_(self.scale, *trackers, add[Count.BACKOFF], flags[Flag.FORWARD])
+            found, forward = add[Count.BACKOFF], flags[Flag.FORWARD]
+            policy.update_(self.scale, *trackers, found, forward, past_interval=past_interval)
         if not clean and policy.dynamic:  # the floor streak goes on only at the floor
             self.counters[Count.FLOOR_STREAK].mul_(self.scale <= policy.min_scale)
+        if verdict.mismatch is not None:  # the alarms read it (`shardscale._report`)
+            self.counters[Count.MISMATCH].add_(verdict.mismatch)
 
     def back_off_for_retry_(self, policy: ScalePolicy) -> bool:
         """Back the scale off once for a rerun of the batch (`step(closure=...)`), and count the
@@ -367,12 +439,26 @@ class ScaleHome:
     ([`for_gradients()`][for_gradients]), *unconfirmed*: it checks its gradients but modifies
     nothing until the group's first agreement shows that some rank scaled
     ([`confirm()`][confirm]). Every change to the state goes through this object.
+
+    It also knows where the state came from, its *origin*: the state it was built with, or the
+    last one loaded that differed from the one it held. Ranks that ran the same steps from the
+    same origin hold the same state, so the origin (a hash, in every ballot's identity:
+    `shardscale._check`) is what tells a rank that loaded another state from its peers, at the
+    first collective after the load.
     """
 
     def __init__(self, host: ScalerState) -> None:
         self.host = host
         """The state on the host: all of it before a device holds it; after, its policy and
         the values the state started from (torch's `_init_scale`)."""
+        self.origin = fingerprint(host)
+        """A hash of the state this rank's run started from (the one built, or loaded)."""
+        self.origin_note = f"built with scale {host.scale.scale:g}"
+        """The origin, said in words, for the error that names each rank's."""
+        self.past_interval = False
+        """Whether the growth tracker may be at or past the growth interval (which torch's
+        update kernel leaves counting on): the interval was lowered, or a state put it there.
+        The host cannot know when an overflow resets it: once set, it stays."""
         self.device: DeviceState | None = None
         """The state on its device, once a loss or a step put it there."""
         self.scaled_here = False
@@ -421,15 +507,29 @@ class ScaleHome:
 
     def set_policy(self, **changes: Any) -> None:
         """Change policy settings (validated by `ScalePolicy`)."""
+        before = self.host.policy.growth_interval
         self.host = replace(self.host, policy=replace(self.host.policy, **changes))
+        self.past_interval |= self.host.policy.growth_interval < before
 
     def set_start(self, **changes: Any) -> None:
-        """Change the values the state starts from on a device (torch's `_init_scale`...)."""
+        """Change the values the state starts from on a device (torch's `_init_scale`...): a
+        new origin."""
         self.host = replace(self.host, scale=replace(self.host.scale, **changes))
+        self.past_interval |= self.host.scale.growth_tracker >= self.host.policy.growth_interval
+        self.origin = fingerprint(self.host)
+        self.origin_note = f"set to start at scale {self.host.scale.scale:g}"
 
     def load(self, state: ScalerState) -> None:
-        """Take `state` (a loaded state dict), on the host and, if one holds it, the device."""
+        """Take `state` (a loaded state dict), on the host and, if one holds it, the device: a
+        new origin, unless it is the state held already (a load of it changes nothing)."""
+        if state != self.read():
+            self.origin = fingerprint(state)
+            steps = state.counters.steps
+            self.origin_note = (
+                f"loaded by load_state_dict() (scale {state.scale.scale:g}, {steps} steps)"
+            )
         self.host = state
+        self.past_interval |= state.scale.growth_tracker >= state.policy.growth_interval
         if self.device is not None:
             self.device.write(state)
 

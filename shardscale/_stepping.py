@@ -2,26 +2,32 @@
 plan and run. One room for it: the scaler hands its optimizers here, and they go no further
 than the parameters whose gradients `shardscale._check` checks and agrees on.
 
-Invariant: every optimizer of an iteration steps or skips on every rank alike, after ONE
-collective per `step()`/`clip_grad_norm_()` call however many optimizers, devices and dtypes
-hold the gradients; `unscale_()` adds none after the first step (its local check waits for that
-collective; on a scaler's first step it agrees at once).
+Invariant: every optimizer of an iteration steps or skips on every rank alike, each on its own
+verdict, after ONE collective per `step()`/`clip_grad_norm_()` call however many optimizers,
+devices and dtypes hold the gradients; `unscale_()` adds none after the first step (its local
+check waits for that collective, in a slot of its own; on a scaler's first step it agrees at
+once).
 
 An iteration runs from one `update()` to the next: scale, backward, then per optimizer at most
 one `unscale_` (before its `step`) and one `step`, and at most one `clip_grad_norm_`. Its
-[`IterationBook`][] enforces those rules, raising torch's own errors in torch's words (users'
-`match=` strings keep working), and remembers what `clip_grad_norm_` already unscaled and agreed,
-which local checks of `unscale_` still wait for the agreement, and whether every loss `scale()`
-saw was finite.
+[`IterationBook`][] keeps, as torch's `_per_optimizer_states` does, a record per optimizer (its
+stage, and the check whose verdict it takes), raising torch's own errors in torch's words
+(users' `match=` strings keep working); and the iteration's checks ([`Check`][
+shardscale._check.Check]: one per `unscale_()`, `step()` or clip call, each decided on its
+own), what `clip_grad_norm_` already unscaled and agreed, and whether every loss `scale()` saw
+was finite.
 
 A step, as [`Steps`][] runs it: resolve what to step (`steppables`), record its leaves in the
-book (`IterationBook.begin_step`), hand the gradients still to check to the agreement, record
-its verdict, then step each target, or skip it, as agreed ([`StepPlan`][]).
+book (`IterationBook.begin_step`), hand the gradients still to check to the agreement as one
+check, with the checks `unscale_()` left waiting, record their verdicts, then step each target,
+or skip it, as its own verdict says ([`StepPlan`][]); an optimizer none of whose parameters
+holds a gradient on any rank raises there, on every rank, as torch's does.
 
 A step may be one optimizer, a list of them, or a container (torchtitan's `OptimizersContainer`:
 an `Optimizer` holding its parts in `optimizers`; Megatron's `ChainedOptimizer`:
 `chained_optimizers`): every *leaf* optimizer underneath is checked in the one collective, fused
-ones get the scale and the agreed flag, and each target's own `step()` is called once.
+ones get the scale and the agreed flag, and each target's own `step()` is called once. The
+leaves one call checks share its verdict (one check).
 """
 
 from __future__ import annotations
@@ -41,9 +47,9 @@ from typing import Any, TypeAlias, cast
 import torch
 from torch.distributed.tensor import DTensor
 
-from shardscale._check import Agreement, ClipRequest, PendingCheck
+from shardscale._check import MAX_CHECKS, Agreement, Check, ClipRequest
 from shardscale._config import ScalerConfig
-from shardscale._errors import GRAD_SCALER_WARNING, no_scale_message
+from shardscale._errors import GRAD_SCALER_WARNING, no_inf_checks_message, no_scale_message
 from shardscale._grads import move
 from shardscale._locate import NonFiniteGrad, locate_optimizers, log_located
 from shardscale._state import Flag, ScaleHome, Verdict, combined, device_path
@@ -65,12 +71,29 @@ _DEVICE = operator.attrgetter("device")
 Stage = Enum("Stage", "READY UNSCALED STEPPED", start=0)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ClipRecord:
-    """What `clip_grad_norm_` unscaled and agreed on in this iteration, for steps to take."""
+    """What `clip_grad_norm_` unscaled and agreed on in this iteration, for steps to take.
+
+    Attributes:
+        known: The leaf optimizers (ids) stepped before the clip: a step after it takes its
+            verdict without a collective of its own only for those (`IterationBook.begin_step`).
+        uncovered: How many ranks held gradients the clip left out, of those optimizers (float32
+            scalar); `uncovered_anywhere()` reads it, where a rank needs it.
+    """
 
     param_ids: frozenset[int]
     verdict: Verdict
+    known: frozenset[int] = frozenset()
+    uncovered: torch.Tensor | None = None
+    _uncovered_read: bool | None = None
+
+    def uncovered_anywhere(self) -> bool:
+        """Whether some rank held gradients the clip left out (one host read, the first time)."""
+        if self._uncovered_read is None:
+            held = self.uncovered is not None and bool(self.uncovered.item())
+            self._uncovered_read = held
+        return self._uncovered_read
 
 
 def optimizer_params(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
@@ -82,14 +105,16 @@ def optimizer_params(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[to
 
 @dataclass(slots=True)
 class OptimizerRecord:
-    """Where one optimizer is in the iteration, and what the group agreed for it.
+    """Where one optimizer is in the iteration, and what the group agreed for it: torch's
+    `_per_optimizer_states[id(optimizer)]` (`shardscale._compat` answers it from here).
 
     Attributes:
         takes_scale: Whether its `step()` reads `grad_scale`/`found_inf` itself (fused, and
             capturable with amp support): it unscales and skips on the device, with no host
             synchronisation; its gradients are only checked.
-        local_flags: What `unscale_()` found on this rank alone, by device, while the group has
-            not agreed yet (torch's private reads answer it then: `shardscale._compat`).
+        check: The check its gradients went into (its `unscale_()`'s, or its `step()`'s), whose
+            verdict it takes; None: not checked yet, or a clip's took them all.
+        verdict: What the group agreed for it (its check's, with a partial clip's).
         clipped: The `clip_grad_norm_` that unscaled some, but not all, of its parameters (an
             MoE model's dense part, say): those keep the clip's unscale and flag, the others
             are checked and unscaled at its own agreement, and its verdict is both.
@@ -98,14 +123,15 @@ class OptimizerRecord:
     optimizer: torch.optim.Optimizer
     takes_scale: bool
     stage: Stage = Stage.READY
+    check: Check | None = None
     verdict: Verdict | None = None
-    local_flags: dict[torch.device, torch.Tensor] | None = None
     clipped: ClipRecord | None = None
 
     def waiting_flags(self) -> dict[torch.device, torch.Tensor] | None:
         """What `unscale_()` found here while the agreement on it is still to come (None: not
         checked by `unscale_()`, or agreed)."""
-        return self.local_flags if self.verdict is None else None
+        check = self.check
+        return None if check is None or check.verdict is not None else check.local_flags
 
     def params_to_check(self) -> Iterator[torch.Tensor]:
         """Its parameters whose gradients still carry the scale: all, less a partial clip's."""
@@ -128,13 +154,17 @@ class IterationBook:
         loss_scale: The scale this iteration's losses were multiplied by, a copy of the live one
             made at its first `scale()` (None: not yet, or never on this rank: a pipeline stage that
             computes no loss, which takes the live one); its gradients are divided by exactly this.
-        pending: The local checks of `unscale_()` that await the agreement (their optimizers'
-            records, which take its verdict: [`waiting()`][waiting]).
+        checks: The iteration's checks, in order: those still without a verdict wait for the
+            next agreement ([`waiting()`][waiting]).
+        collectives: The scaler's collectives in this iteration so far (a ballot's identity
+            says which one it is).
         loss_nonfinite: bool scalar: some loss `scale()` multiplied in this iteration was inf or NaN
             (None: none was scaled on this rank).
         losses: The losses themselves (detached), to locate a forward overflow.
         fit_readings: Each backward's largest |scaled gradient| formed in fp16, where the
             iteration accumulates micro-batches (`shardscale._bins.Fp16Gradients`).
+        peaks, counts, mismatches: What the iteration's agreements read, for `update()`: the
+            fit's peaks, the meter's counts, an accelerator's identity mismatches.
         carried: A backward may carry `loss_scale`: a loss that requires grad was scaled, or
             the tensor itself was handed out (`loss_scale_tensor()`).
     """
@@ -143,10 +173,14 @@ class IterationBook:
     loss_scale: torch.Tensor | None = None
     records: dict[int, OptimizerRecord] = field(default_factory=dict)
     clipped: ClipRecord | None = None
-    pending: PendingCheck = field(default_factory=PendingCheck)
+    checks: list[Check] = field(default_factory=list)
+    collectives: int = 0
     loss_nonfinite: torch.Tensor | None = None
     losses: list[torch.Tensor] = field(default_factory=list)
     fit_readings: list[torch.Tensor] = field(default_factory=list)
+    peaks: list[torch.Tensor] = field(default_factory=list)
+    counts: list[torch.Tensor] = field(default_factory=list)
+    mismatches: list[torch.Tensor] = field(default_factory=list)
     carried: bool = False
 
     def midway(self) -> bool:
@@ -154,9 +188,9 @@ class IterationBook:
         was unscaled, clipped or stepped."""
         return self.carried or bool(self.records) or self.clipped is not None
 
-    def waiting(self) -> list[OptimizerRecord]:
-        """The records whose `unscale_()` checks wait in `pending` for the agreement."""
-        return [record for record in self.records.values() if record.waiting_flags() is not None]
+    def waiting(self) -> list[Check]:
+        """The checks `unscale_()` left waiting for the agreement."""
+        return [c for c in self.checks if c.verdict is None and c.local_flags is not None]
 
     def record(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
         """`optimizer`'s record in this iteration, made at its first call."""
@@ -165,6 +199,14 @@ class IterationBook:
             takes_scale = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
             record = self.records[id(optimizer)] = OptimizerRecord(optimizer, takes_scale)
         return record
+
+    def new_check(self, records: Sequence[OptimizerRecord]) -> Check:
+        """A check for `records`' gradients (one call's), which they take the verdict of."""
+        check = Check()
+        self.checks.append(check)
+        for record in records:
+            record.check = check
+        return check
 
     def begin_unscale(
         self, targets: list[tuple[Any, tuple[torch.optim.Optimizer, ...]]]
@@ -236,24 +278,37 @@ class IterationBook:
         return not (done and ids <= done)
 
     def _adopt_clip(self, record: OptimizerRecord, clipped: ClipRecord) -> bool:
-        """Take `clip_grad_norm_`'s unscale and flag for `record` if the clip covered every
-        parameter of its optimizer (the usual case: 0.3 us a parameter). A clip over some of
-        them leaves it to be checked at its agreement, less what the clip unscaled.
+        """Take `clip_grad_norm_`'s unscale and verdict for `record`, with no collective of its
+        own, where every rank does: the clip covered every parameter of its optimizer, or every
+        one holding a gradient on any rank (a clip list each rank built from its own gradients,
+        MoE tokens reaching other experts on each). A clip over some of them leaves the rest to
+        be checked at its own agreement.
 
-        Decided by the parameters alone, never by which of them hold a gradient on this rank
-        (an MoE expert no token reached holds none on one rank and one on another): every rank
-        takes the same branch and issues the same collectives.
+        Decided alike on every rank, never by which parameters this rank alone holds a gradient
+        for: an optimizer stepped before the clip takes its verdict if the clip listed all its
+        parameters here (the same list on every rank), or if no rank held a gradient it left
+        out (the clip agreed on that: read where this rank's list left some out); one stepped
+        for the first time is checked at its own agreement, on every rank.
         """
         if record.stage is not Stage.READY or record.clipped is not None:
             return False
-        param_ids = set(map(id, optimizer_params((record.optimizer,))))
-        if not clipped.param_ids.issuperset(param_ids):
-            if not clipped.param_ids.isdisjoint(param_ids):
+        params = list(optimizer_params((record.optimizer,)))
+        left_out = [param for param in params if id(param) not in clipped.param_ids]
+        uncovered_here = _any_grad(left_out)
+        known = id(record.optimizer) in clipped.known
+        if known and left_out and not uncovered_here:
+            known = not clipped.uncovered_anywhere()  # read only here: lists that differ
+        if not known or uncovered_here:
+            if len(left_out) < len(params):
                 record.clipped = clipped
             return False
         record.verdict = clipped.verdict
         record.stage = Stage.UNSCALED
         return True
+
+
+def _any_grad(params: Iterable[torch.Tensor]) -> bool:
+    return any(param.grad is not None for param in params)
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,10 +415,22 @@ class Steps:
         self.captured: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._max_retries = config.max_retries
         self._locate_overflow = config.locate_overflow
+        # The leaf optimizers stepped so far, weakly: a clip's steps take its verdict without a
+        # collective of their own only for those (`IterationBook._adopt_clip`).
+        self._known: dict[int, weakref.ref[torch.optim.Optimizer]] = {}
+        # The fused optimizers given a hook that agrees before torch's step body steps them.
+        self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
     def begin(self, step: int) -> None:
         """Start the iteration that takes step number `step`."""
         self.book = IterationBook(step=step)
+
+    def restart(self, steps: int) -> None:
+        """A state was loaded, counting `steps` steps: the next iteration takes the next step,
+        and nothing of the run before is told (no last step, no last overflow)."""
+        self.begin(steps + 1)
+        self.last = None
+        self.last_overflow = None
 
     # ------------------------------------------------------------------ the loss
 
@@ -479,16 +546,15 @@ class Steps:
         records = [self.book.record(leaf) for leaf in leaves(optimizer)]
         warnings.warn(GRAD_SCALER_WARNING, FutureWarning, stacklevel=4)
         result = optimizer.step(*args, **{**kwargs, "grad_scaler": self._scaler()})
-        self.last = combined(map(_VERDICT, records))
         for record in records:
-            record.stage = Stage.STEPPED
+            self.stepped(record)
         return result
 
     def _plan(self, target: object, scale: torch.Tensor) -> StepPlan:
-        """Record `target`'s leaves for a `step()` and agree in the one collective: fused
-        optimizers' gradients are only checked (they unscale inside their own kernel), the
-        others' unscaled; those `unscale_()` or `clip_grad_norm_` did already are not checked
-        again, and `unscale_()`'s pending checks join the agreement.
+        """Record `target`'s leaves for a `step()` and agree in the one collective: those not
+        checked yet in one check (fused optimizers' gradients are only checked: they unscale
+        inside their own kernel; the others' unscaled), with the checks `unscale_()` left
+        waiting; those `unscale_()` or `clip_grad_norm_` did already keep their verdicts.
 
         Raises:
             RuntimeError: one of its optimizers was stepped already since the last update.
@@ -507,12 +573,21 @@ class Steps:
         return StepPlan(targets, cast(Verdict, combined(map(_VERDICT, records))))
 
     def _run(self, plan: StepPlan, scale: torch.Tensor, args: Args, kwargs: Kwargs) -> list[Any]:
-        """Step each of `plan`'s targets, or skip it, as agreed: fused optimizers skip on the
-        device, the others cost the one host read of the verdict. Returns what each target's
-        `step()` returned (None where skipped)."""
+        """Step each of `plan`'s targets, or skip it, as its verdict says: fused optimizers skip
+        on the device, the others cost the one host read of the verdicts. Returns what each
+        target's `step()` returned (None where skipped).
+
+        Raises:
+            RuntimeError: a non-fused optimizer none of whose parameters holds a gradient on any
+                rank (torch's words), before any target steps, on every rank alike.
+        """
+        verdicts = [cast(Verdict, combined(map(_VERDICT, records))) for _, records in plan.targets]
+        for (_, records), verdict in zip(plan.targets, verdicts, strict=True):
+            if verdict.has_grads is False and not all(map(_TAKES_SCALE, records)):
+                world_size = self.agreement.exchange.world_size
+                raise RuntimeError(no_inf_checks_message(world_size))
         results: list[Any] = []
-        for target, records in plan.targets:
-            verdict = cast(Verdict, combined(map(_VERDICT, records)))
+        for (target, records), verdict in zip(plan.targets, verdicts, strict=True):
             if not all(map(_TAKES_SCALE, records)) and verdict.skipped():
                 results.append(None)
             elif any(map(_TAKES_SCALE, records)):  # they take the scale and the agreed flag
@@ -521,8 +596,15 @@ class Steps:
             else:
                 results.append(target.step(*args, **kwargs))
             for record in records:
-                record.stage = Stage.STEPPED
+                self.stepped(record)
         return results
+
+    def stepped(self, record: OptimizerRecord) -> None:
+        """`record`'s optimizer was stepped (or skipped, as agreed): the last step's verdict is
+        its, and it is known to later clips."""
+        record.stage = Stage.STEPPED
+        self.last = record.verdict if record.verdict is not None else self.last
+        self._known.setdefault(id(record.optimizer), weakref.ref(record.optimizer))
 
     # ------------------------------------------------------------------ unscale_, clip, update
 
@@ -530,38 +612,107 @@ class Steps:
         """`unscale_` of `optimizer`'s leaves: check and unscale, and agree at the next point
         that needs the decision, except on this scaler's first step: there a pipeline stage that
         never scaled must agree before it modifies anything, and every rank must then issue the
-        same collectives, whichever stage it holds."""
+        same collectives, whichever stage it holds. It agrees at once too where the checks left
+        waiting would fill a ballot (`MAX_CHECKS`): a loop's calls, alike on every rank."""
         scale = self.loss_scale("unscale_", optimizer)
         to_check, adopted = self.book.begin_unscale(steppables(optimizer))
         self._locate_if_overflowed(adopted)  # the clip's agreement knew no names
-        if to_check and not self.agreement.agreed_once:
+        if not to_check:
+            return
+        if not self.agreement.agreed_once or len(self.book.waiting()) >= MAX_CHECKS - 1:
             self.agree(scale, "unscale_", unscale=to_check)
-        elif to_check:
-            flags = self.agreement.check_for_later(self.book, scale, _params_of(to_check))
-            for record in to_check:
-                record.stage, record.local_flags = Stage.UNSCALED, flags
+        else:
+            check = self.book.new_check(to_check)
+            self.agreement.check_for_later(self.book, scale, check, _params_of(to_check))
+        for record in to_check:
+            record.stage = Stage.UNSCALED
+            if record.takes_scale and record.verdict is None:
+                self._agree_before_fused_step(record.optimizer)
+
+    def _agree_before_fused_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """torch's step body steps a fused optimizer itself, after `unscale_()`, handing it the
+        flags `_per_optimizer_states` holds: this rank's own while the check waits. A hook on
+        the optimizer's step agrees first (the collective this scaler's step would issue there,
+        on every rank that runs the body) and hands it the agreed flag instead. Registered once
+        per optimizer; it does nothing where the flag handed is the agreed one already (this
+        scaler's own step), or where none is (no scaler's step)."""
+        register = getattr(optimizer, "register_step_pre_hook", None)
+        if register is None or optimizer in self._hooked:
+            return
+        self._hooked.add(optimizer)
+        register(partial(_agree_first, weakref.ref(self)))
+
+    def agree_before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The hook's work (see [`_agree_before_fused_step`][_agree_before_fused_step])."""
+        record = self.book.records.get(id(optimizer))
+        found_inf = getattr(optimizer, "found_inf", None)
+        if record is None or record.waiting_flags() is None or found_inf is None:
+            return
+        self.agree(self.loss_scale("step", optimizer), "step")
+        agreed = move(cast(Verdict, record.verdict).found_inf, found_inf.device)
+        optimizer.found_inf = agreed  # type: ignore[attr-defined]
 
     def clip(
         self, params: list[torch.Tensor], max_norm: float, norm_type: float, replicas: int
     ) -> torch.Tensor:
         """`clip_grad_norm_` of `params` (see there): the total norm, agreed in one collective;
-        the book records what the clip unscaled and agreed, for the steps to take."""
+        the book records what the clip unscaled and agreed, for the steps to take.
+
+        Raises:
+            RuntimeError: no rank holds a gradient for `params` (on every rank).
+        """
         # False: unscale_() ran for these already, and they are clipped as they are
         scaled = self.book.begin_clip(params)
-        request = ClipRequest(params, max_norm, norm_type, replicas, scaled)
+        ids = frozenset(map(id, params))
+        uncovered = scaled and self._left_out_here(ids)
+        request = ClipRequest(params, max_norm, norm_type, replicas, scaled, uncovered)
         scale = self.loss_scale("clip_grad_norm_", params)
-        verdict = self.agreement.clip(self.book, scale, request)
+        result = self.agreement.clip(self.book, scale, request, self.book.waiting())
+        if not result.verdict.has_grads:
+            raise RuntimeError(
+                "clip_grad_norm_() got parameters none of which has a gradient on any of the "
+                f"{self.agreement.exchange.world_size} rank(s): call "
+                "scaler.scale(loss).backward() first"
+            )
         if scaled:
-            self.book.clipped = ClipRecord(frozenset(map(id, params)), verdict)
-        self._settle(verdict, [])
-        return cast(torch.Tensor, verdict.total_norm)
+            known = frozenset(self._known)
+            self.book.clipped = ClipRecord(ids, result.verdict, known, result.uncovered)
+        self._settle()
+        return result.total_norm
+
+    def _left_out_here(self, clipped: frozenset[int]) -> bool:
+        """Whether this rank holds a gradient, of an optimizer stepped before, that a clip of
+        the parameters `clipped` (their ids) leaves out."""
+        for ref in list(self._known.values()):
+            optimizer = ref()
+            if optimizer is None:
+                continue
+            for param in optimizer_params((optimizer,)):
+                if param.grad is not None and id(param) not in clipped:
+                    return True
+        return False
 
     def outcome(self, scale: torch.Tensor) -> Verdict | None:
         """The iteration's verdict, for `update()`: `unscale_()` without a `step()` agrees now.
-        None where no optimizer was checked."""
-        if self.book.waiting():
+        Its optimizers' verdicts combined, of those whose gradients some rank held (torch
+        counts no other), with what the agreements read; None where no such optimizer was
+        checked."""
+        book = self.book
+        if book.waiting():
             self.agree(scale, "update")
-        return combined(map(_VERDICT, self.book.records.values()))
+        verdicts = [v for v in map(_VERDICT, book.records.values()) if v is not None]
+        verdict = combined(v for v in verdicts if v.has_grads is not False)
+        if verdict is None:
+            return None
+        if book.peaks:
+            verdict.peak = book.peaks[0] if len(book.peaks) == 1 else torch.stack(book.peaks).amax()
+        if book.counts:
+            verdict.counts = (
+                torch.stack(book.counts).sum(0) if len(book.counts) > 1 else book.counts[0]
+            )
+        if book.mismatches:
+            verdict.mismatch = torch.stack(book.mismatches).amax()
+        return verdict
 
     def agree(
         self,
@@ -570,26 +721,31 @@ class Steps:
         *,
         unscale: Sequence[OptimizerRecord] = (),
         check: Sequence[OptimizerRecord] = (),
-    ) -> Verdict:
-        """Agree on ONE verdict for the records' gradients (`unscale`'s are unscaled, `check`'s
-        only checked: `shardscale._check.Agreement.agree`) and the checks `unscale_` left
-        waiting; every one of those records takes it."""
-        clipped = any(record.clipped is not None for record in (*unscale, *check))
-        to_unscale, to_check = _params_of(unscale), _params_of(check)
-        verdict = self.agreement.agree(self.book, scale, caller, to_unscale, to_check, clipped)
+    ) -> None:
+        """Agree, in one collective, on a verdict for `unscale` and `check`'s gradients, as one
+        check (`unscale`'s are unscaled, `check`'s only checked:
+        `shardscale._check.Agreement.agree`), and on one for each check `unscale_` left
+        waiting; every record takes its check's."""
+        own = self.book.new_check([*unscale, *check]) if unscale or check else None
+        groups = (_params_of(unscale), _params_of(check))
+        waiting = self.book.waiting()
+        self.agreement.agree(self.book, scale, caller, own, groups, waiting)
         for record in unscale:
             record.stage = Stage.UNSCALED
-        self._settle(verdict, [*unscale, *check])
-        return verdict
+        self._settle()
 
-    def _settle(self, verdict: Verdict, records: list[OptimizerRecord]) -> None:
-        """Give the agreed `verdict` to `records` and to those whose checks waited for it (a
-        partial clip's flag counts too); locate the overflow where asked."""
-        records = [*records, *self.book.waiting()]
-        for record in records:
-            clipped = record.clipped
-            record.verdict = verdict if clipped is None else combined((clipped.verdict, verdict))
-        self._locate_if_overflowed(records)
+    def _settle(self) -> None:
+        """Give each record whose check was agreed just now its verdict (with a partial clip's);
+        locate the overflow where asked."""
+        settled = []
+        for record in self.book.records.values():
+            check = record.check
+            if record.verdict is None and check is not None and check.verdict is not None:
+                clipped = record.clipped
+                own = check.verdict
+                record.verdict = own if clipped is None else combined((clipped.verdict, own))
+                settled.append(record)
+        self._locate_if_overflowed(settled)
 
     def record_overflow(self) -> None:
         """`scaler.record_overflow()`: the step just taken reads as skipped (see there).
@@ -603,6 +759,8 @@ class Steps:
         for verdict in {id(v): v for v in verdicts if v is not None}.values():
             verdict.flags[Flag.SKIP] = 1.0
             verdict.read = True
+            if verdict.block is not None:
+                verdict.block.mark_skipped()
         self.last = combined(verdicts)
 
     # ------------------------------------------------------------------ where it overflowed
@@ -619,7 +777,7 @@ class Steps:
         (and losses) of `records`, on every rank alike."""
         if not records or not self._locate_overflow:
             return
-        verdict = cast(Verdict, records[0].verdict)
+        verdict = cast(Verdict, combined(map(_VERDICT, records)))
         if not verdict.skipped():  # the same on every rank
             return
         forward = bool(verdict.flags[Flag.FORWARD].item())
@@ -627,6 +785,13 @@ class Steps:
         step, exchange = self.book.step, self.agreement.exchange
         self.last_overflow = locate_optimizers(optimizers, exchange, step, losses)
         log_located(step, self.last_overflow, forward)
+
+
+def _agree_first(steps: weakref.ref[Steps], optimizer: Any, args: Args, kwargs: Kwargs) -> None:
+    """A fused optimizer's step pre-hook: agree first, while the scaler lives."""
+    alive = steps()
+    if alive is not None:
+        alive.agree_before_step(optimizer)
 
 
 def move_together(

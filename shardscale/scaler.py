@@ -23,7 +23,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
-from typing import Any, cast, overload
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -483,7 +483,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if self._enabled:
             return self._steps.clip(params, max_norm, norm_type, replicas)
         request = ClipRequest(params, max_norm, norm_type, replicas, scaled=False)
-        return cast(torch.Tensor, self._agreement.clip(self._steps.book, None, request).total_norm)
+        return self._agreement.clip(self._steps.book, None, request).total_norm
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Move the scale: back off if any optimizer skipped, grow after enough clean steps.
@@ -519,7 +519,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         alarm, reporter = None, self._reporter
         with reporter.lock:  # a thread reading `stats` sees this step whole
             if verdict is not None:
-                state.apply_(policy, verdict, manual)
+                state.apply_(policy, verdict, manual, self._home.past_interval)
                 # A step the host did not read as clean has its streaks watched (every rank
                 # alike); one it read as clean, not a meter step, has nothing to report (no skip
                 # to log, no streak, no meter reading) but to hooks, whose failure is warned.
@@ -534,8 +534,11 @@ class ShardedGradScaler(torch.amp.GradScaler):
             self.verify_agreement()
         if alarm is not None:  # every rank alike: it names the parameters, with one gather
             losses = alarm in (Alarm.LOSS_STREAK, Alarm.SKIP_LIMIT)
-            located = self._steps.locate_now(book, with_losses=losses)
+            located = [] if alarm is Alarm.MISMATCH else self._steps.locate_now(book, losses)
             self._reporter.sound(alarm, located, taken, policy, float(state.scale.item()))
+        # a listener's failure, said once the iteration is closed: where warnings are errors,
+        # this rank raises here, and goes on like its peers
+        self._reporter.warn_failures()
 
     def record_overflow(self) -> None:
         """Take an overflow that a check outside this scaler found, for the step just taken.
@@ -684,7 +687,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
             RuntimeError: the dict is empty (saved by a disabled scaler); or the iteration is
                 under way (a loss that requires grad was scaled, or an optimizer unscaled,
                 clipped or stepped, since the last `update()`), whose gradients carry the scale
-                it began with: dividing them by a loaded one would be wrong.
+                it began with: dividing them by a loaded one would be wrong (torch's loads
+                there: docs/migration.md). To abandon such an iteration (a rollback), end it
+                with `update(new_scale=scaler.get_scale())`, which counts no step where none
+                was taken, then load.
             ValueError, TypeError: a key is missing or unknown, or a value breaks a rule; the
                 scaler is left unchanged.
         """
@@ -695,7 +701,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 "A GradScaler state may only be loaded at the beginning of an iteration, or at "
                 "the end after scaler.update(): this iteration's gradients carry the scale it "
                 "began with, and would be unscaled by the loaded one. Call load_state_dict() "
-                "before scale(), or after update()."
+                "before scale(), or after update(). To abandon this iteration instead (a "
+                "rollback), end it first with scaler.update(new_scale=scaler.get_scale()), "
+                "which counts no step where none was taken."
             )
         passed = self._config.passed_policy()
         state, differing = parse_state_dict(state_dict, self.policy, passed)
@@ -704,9 +712,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         self._home.load(state)
         if not self.policy.fit:  # a fit switched off takes its reader's hooks with it
             self._agreement.fp16.close()
+        # nothing of the run before is left: its last step, overflow, meter reading, copies
         self._reporter.restart(state.counters)
-        self._steps.book.step = state.counters.steps + 1
-        self._steps.book.loss_scale = None  # the next loss takes the loaded scale
+        self._steps.restart(state.counters.steps)
 
     def __getstate__(self) -> dict[str, Any]:
         if self._steps.book.records:

@@ -150,6 +150,9 @@ class DeviceCounter(TorchDispatchMode):
             ``("copy", value)`` (``copy_``), for tests of what comes before them.
         landing: what a device->host copy lands as, where a read answers ``value`` (None:
             ``value`` too): a read of one flag and a copy of several counters may then differ.
+        landed_at: what a copy of so many elements lands as at some of its positions instead
+            (`(numel, flat index): value`), e.g. a mismatch count left at 0 under counters that
+            all read the step number.
         path: the log of the ``cuda_path()`` seam the counted code runs under, whose waits
             for copies to land are this counter's ``event_waits``.
     """
@@ -162,6 +165,7 @@ class DeviceCounter(TorchDispatchMode):
         # what a device->host copy lands as (None: `value`), e.g. quiet streaks under flags
         # that read "skipped"
         self.landing = landing
+        self.landed_at: dict[tuple[int, int], float] = {}
         # the seam's log, whose waits this counts (None: no event waits are counted)
         self.path = path
         self.log: list[tuple[str, object]] = []
@@ -205,6 +209,12 @@ class DeviceCounter(TorchDispatchMode):
             event_waits=self.event_waits,
         )
 
+    def _landed(self, host: torch.Tensor) -> torch.Tensor:
+        for (numel, index), value in self.landed_at.items():
+            if host.numel() == numel:
+                host.view(-1)[index] = value
+        return host
+
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
@@ -223,7 +233,7 @@ class DeviceCounter(TorchDispatchMode):
                 self.log.append(("to_cpu", None))
                 dtype = kwargs.get("dtype") or args[0].dtype
                 landed = self.value if self.landing is None else self.landing
-                return torch.full(args[0].shape, landed, dtype=dtype)
+                return self._landed(torch.full(args[0].shape, landed, dtype=dtype))
             if source.type == "cpu" and target == META:
                 self.h2d.append(non_blocking)
                 return func(*args, **kwargs)
@@ -234,7 +244,7 @@ class DeviceCounter(TorchDispatchMode):
                 self.d2h.append(non_blocking)
                 landed = self.value if self.landing is None else self.landing
                 self.log.append(("copy", landed))
-                return args[0].fill_(landed)
+                return self._landed(args[0].fill_(landed))
             if source.type == "cpu" and destination == META:
                 self.h2d.append(non_blocking)
                 return func(*args, **kwargs)

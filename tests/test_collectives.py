@@ -92,8 +92,8 @@ def _agreement(timeout: float | None, group: object | None = None, world_size: i
 
 
 def _ballot(device: torch.device) -> torch.Tensor:
-    """A ballot as the agreement makes one (`shardscale._check`): five float32 slots, the first
-    (has gradient elements) and the fourth (has a scale) raised."""
+    """A small float32 tensor standing for a ballot (`shardscale._check` makes the real ones):
+    the exchange only carries it."""
     return torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0], device=device)
 
 

@@ -186,24 +186,28 @@ def test_per_optimizer_states_after_update_empty_as_torch() -> None:
     assert kept[id(optimizer)]["stage"] is OptState.STEPPED
 
 
-def test_per_optimizer_states_after_unscale_reads_this_ranks_flag_with_a_warning() -> None:
+def test_per_optimizer_states_after_unscale_reads_the_flag_at_world_size_one() -> None:
     """Between `unscale_()` and the call that agrees, a read gets this rank's own flag, as
-    torch.amp's (a read never communicates), and says so; after `step()`, the agreed one."""
+    torch.amp's (a read never communicates): at world size 1 it is the group's, and nothing
+    warns; after `step()`, the agreed one. The state is live, as torch's dict: one read before
+    `unscale_()` answers what it did after."""
     scaler = ShardedGradScaler()
     _overflowing_step(scaler, False)  # the first unscale_ agrees at once: this one defers
     scaler.update()
     model, optimizer = setups.scaled_backward(scaler)
     model[2].bias.grad[0] = math.nan
+    state = scaler._per_optimizer_states[id(optimizer)]  # read before, as torch's body does
+    assert state["stage"] is OptState.READY
     scaler.unscale_(optimizer)
-    with pytest.warns(ShardScaleWarning, match=r"THIS rank's own flag .*torch.amp"):
-        state = scaler._per_optimizer_states[id(optimizer)]
-    assert state["stage"] is OptState.UNSCALED
-    with pytest.warns(ShardScaleWarning, match=r"THIS rank's own flag"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert state["stage"] is OptState.UNSCALED
+        assert sum(v.item() for v in state["found_inf_per_device"].values()) == 1.0
         assert _skipped(scaler, optimizer) == 1.0
-    with pytest.warns(ShardScaleWarning, match=r"THIS rank's own flag"):
         assert sum(v.item() for v in scaler._found_inf_per_device(optimizer).values()) == 1.0
     assert scaler.step(optimizer) is None
     assert scaler.last_step_skipped
+    assert state["stage"] is OptState.STEPPED
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # agreed now: no warning
         assert _skipped(scaler, optimizer) == 1.0
@@ -220,9 +224,10 @@ def _rank_private_read_between_unscale_and_step(rank: int, world_size: int) -> d
             model[0].weight.grad[0, 0] = math.inf
         scaler.unscale_(optimizer)
         if rank == 0:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", ShardScaleWarning)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", ShardScaleWarning)
                 seen.append(_skipped(scaler, optimizer))
+            seen.append(any("THIS rank's own flag" in str(w.message) for w in caught))
         scaler.step(optimizer)
         seen.append(scaler.last_step_skipped)
         scaler.update()
@@ -231,22 +236,30 @@ def _rank_private_read_between_unscale_and_step(rank: int, world_size: int) -> d
 
 def test_private_read_between_unscale_and_step_on_one_rank_communicates_nothing() -> None:
     rank0, rank1 = run_ranks(_rank_private_read_between_unscale_and_step, 2)
-    # rank 0's own flag at step 3 says clean, the group's says skip: both ranks skipped
-    assert rank0["seen"] == [0.0, False, 0.0, False, 0.0, True]
+    # rank 0's own flag at step 3 says clean, the group's says skip: both ranks skipped; a
+    # read between unscale_ and its agreement says it is this rank's own (the first step's
+    # unscale_ agreed at once: no warning there)
+    assert rank0["seen"] == [0.0, False, False, 0.0, True, False, 0.0, True, True]
     assert rank1["seen"] == [False, False, True]
     assert rank0["scale"] == rank1["scale"]
 
 
-def test_per_optimizer_states_write_refused() -> None:
+def test_per_optimizer_states_write_refused_but_torchs_stepped_stage() -> None:
     scaler = ShardedGradScaler()
     _, optimizer = _overflowing_step(scaler, False)
     states = scaler._per_optimizer_states
-    with pytest.raises(TypeError, match="read-only view"):
+    with pytest.raises(TypeError, match="only 'stage' may be set"):
         states[id(optimizer)] = {}
-    with pytest.raises(TypeError, match="read-only view"):
+    with pytest.raises(TypeError, match="only 'stage' may be set"):
         states[id(optimizer)]["stage"] = OptState.READY
-    with pytest.raises(TypeError, match="read-only view"):
+    with pytest.raises(TypeError, match="only 'stage' may be set"):
+        states[id(optimizer)]["found_inf_per_device"] = {}
+    with pytest.raises(TypeError, match="only 'stage' may be set"):
         states[id(optimizer)]["found_inf_per_device"].clear()
+    with pytest.raises(TypeError, match="only 'stage' may be set"):  # an optimizer not seen
+        states[id(object())]["stage"] = OptState.STEPPED
+    states[id(optimizer)]["stage"] = OptState.STEPPED  # torch's step body's last write
+    assert states[id(optimizer)]["stage"] is OptState.STEPPED
     with pytest.raises(AttributeError, match=r"_per_optimizer_states .*cannot be assigned"):
         scaler._per_optimizer_states = {}  # type: ignore[assignment]
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from shardscale import ShardedGradScaler
-from shardscale._state import DevicePath
+from shardscale._state import COUNTERS, PACKED_COUNTERS, Count, DevicePath
 from shardscale.testing import CudaPathLog, cuda_path
 from tests.devicepath import DeviceCounter, install_cuda_stubs
 
@@ -171,6 +171,13 @@ def test_stats_hooks_one_update_late_each_after_its_copy_landed(on_cuda_path: Cu
     scaler.register_stats_hook(lambda stats: on_cuda_path.note("hook", stats.steps))
     optimizer = _FusedSpy(_params(META))
     with DeviceCounter() as counter:
+        # no collective differed: the mismatch count reads 0, in the stats' copy and the
+        # alarms' read of the counters alike
+        packed = scaler._home.at(META).packed().numel()
+        counter.landed_at = {
+            (packed, PACKED_COUNTERS + Count.MISMATCH): 0.0,
+            (COUNTERS, Count.MISMATCH): 0.0,
+        }
         for step in (1, 2, 3):
             counter.value = float(step)  # what this update's copy brings to the host
             _scaled_on_meta(scaler, optimizer)

@@ -255,27 +255,45 @@ def test_benchmarks_script_counts_like_the_suite(flavour: str, clip: bool) -> No
 # ---------------------------------------------------------------- what the kernel cuts keep
 
 
-def test_clip_norm_shows_an_overflow_only_an_earlier_unscale_saw() -> None:
-    """The share is forced to inf before the collective when a flag is not the norms' own."""
+@pytest.mark.parametrize("clipped", ["a, b", "b"])
+def test_clip_norm_shows_an_overflow_an_earlier_unscale_saw_of_its_own_parameters(
+    clipped: str,
+) -> None:
+    """`unscale_(opt_a)` saw an inf its agreement waits for; the clip carries it in the same
+    collective. Where the clip covers `a` (after `unscale_` of both), its share is forced to inf
+    before the collective (the flag is not the norms' own), and the steps of the optimizers it
+    covered are skipped (clipping.md's rule); where it covers `b` alone, each optimizer keeps
+    its own verdict, as torch's: `a` skips, `b` is clipped by its own finite norm and steps."""
     from torch import nn
 
     from shardscale import ShardedGradScaler
 
     a, b = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4))
-    opt_a, opt_b = torch.optim.SGD([a], lr=0.1), torch.optim.SGD([b], lr=0.1)
+    opt_a, opt_b = torch.optim.SGD([a], lr=0.1), torch.optim.SGD([b], lr=1.0)
     scaler = ShardedGradScaler(init_scale=4.0)
     for step in range(2):  # the second step defers unscale_'s agreement to the clip
         scaler.scale(torch.ones(()))
         a.grad = torch.full((4,), math.inf if step == 1 else 1.0)
         b.grad = torch.ones(4)
         scaler.unscale_(opt_a)
-        norm = scaler.clip_grad_norm_([b], 1.0)
-        scaler.step(opt_a)
+        if clipped == "a, b":
+            scaler.unscale_(opt_b)  # torch's order: every optimizer clipped was unscaled
+        b_before = b.detach().clone()
+        norm = scaler.clip_grad_norm_([a, b] if clipped == "a, b" else [b], 1.0)
+        a_skipped = scaler.step(opt_a) is None and scaler.last_step_skipped
         scaler.step(opt_b)
+        b_skipped = scaler.last_step_skipped
         scaler.update()
-    assert not math.isfinite(norm.item())
-    assert scaler.last_step_skipped
-    assert torch.equal(b.grad, torch.full((4,), 0.25))  # only unscaled: the step is skipped
+    assert a_skipped
+    if clipped == "a, b":
+        assert not math.isfinite(norm.item())
+        assert b_skipped
+        assert torch.equal(b.grad, torch.full((4,), 0.25))  # only unscaled: the step is skipped
+        assert torch.equal(b.detach(), b_before)
+    else:
+        assert norm.item() == 0.5  # b's own norm: 4 elements of 0.25
+        assert not b_skipped
+        assert torch.allclose(b.detach(), b_before - 0.25)  # clipped to norm 1 > 0.5: as is
 
 
 def test_clip_factor_and_inverse_match_the_reference_arithmetic() -> None:

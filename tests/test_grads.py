@@ -27,15 +27,17 @@ def test_grad_walk_groups_by_device_and_dtype_and_replica_count() -> None:
     grads = [torch.zeros(4), torch.zeros(2, dtype=torch.float16), torch.zeros(8)]
     params = _params_with_grads(grads)
     params.append(nn.Parameter(torch.zeros(3)))  # no gradient: left out
-    groups, has_elements = GradWalk().groups(params)
+    groups, held = GradWalk().groups(params)
     cpu = torch.device("cpu")
     assert list(map(id, groups[(cpu, torch.float32)])) == [id(grads[0]), id(grads[2])]  # aliases
     assert list(map(id, groups[(cpu, torch.float16)])) == [id(grads[1])]
-    assert has_elements
-    norms, plain, _has_elements = GradWalk().norm_groups(params, 2)
+    assert held
+    norms, plain, _held = GradWalk().norm_groups(params, 2)
     assert set(norms) == {(cpu, torch.float32, 2), (cpu, torch.float16, 2)}
     assert plain  # plain tensors: their count is the caller's
-    assert GradWalk().groups(_params_with_grads([torch.zeros(0)]))[1] is False  # an empty shard
+    # an empty shard's gradient is held (torch records an inf check for it); none is not
+    assert GradWalk().groups(_params_with_grads([torch.zeros(0)]))[1] is True
+    assert GradWalk().groups([nn.Parameter(torch.zeros(3))])[1] is False
 
 
 def _tiles(buffer: torch.Tensor, sizes: list[int], gap: int = 0) -> list[torch.Tensor]:
@@ -118,7 +120,7 @@ def test_grad_walk_keeps_no_gradient_alive() -> None:
 def test_sparse_gradients_are_coalesced_in_place() -> None:
     embedding = nn.Embedding(10, 4, sparse=True)
     embedding(torch.tensor([1, 1, 2])).sum().backward()
-    groups, _has_elements = GradWalk().groups(embedding.parameters())
+    groups, _held = GradWalk().groups(embedding.parameters())
     assert embedding.weight.grad.is_coalesced()  # type: ignore[union-attr]
     ((values,),) = groups.values()
     assert values.shape == (2, 4)  # rows 1 (twice, summed) and 2
@@ -241,7 +243,7 @@ def _rank_replica_counts_follow_the_gradients_layout(rank: int, world_size: int)
     for placement in (Shard(0), Shard(0), Replicate(), Replicate(), Shard(0)):
         local = torch.ones(4 if isinstance(placement, Shard) else 4 * world_size)
         param.grad = DTensor.from_local(local, mesh, [placement])
-        groups, plain, _has_elements = walk.norm_groups([param], world_size)
+        groups, plain, _held = walk.norm_groups([param], world_size)
         assert not plain
         ((_device, _dtype, replicas),) = groups
         counts.append(replicas)

@@ -270,6 +270,23 @@ def test_resume_load_after_a_scale_without_grad_is_taken_by_the_next_loss() -> N
     assert scaler.scale(torch.tensor(1.0, requires_grad=True)).item() == 2.0**10
 
 
+def test_resume_load_after_an_abandoned_iteration_takes_the_way_out_its_error_names() -> None:
+    """A job that rolls back on a NaN loss: scaled and backpropagated, never stepped. The load
+    is refused (the gradients carry the old scale), and the way out the error names works:
+    `update(new_scale=scaler.get_scale())` ends the iteration without counting a step, and the
+    load then takes."""
+    model = _Planted()
+    scaler = ShardedGradScaler(init_scale=2.0**16)
+    saved = {**scaler.state_dict(), "scale": 2.0**10}
+    scaler.scale(model.loss(math.nan)).backward()
+    with pytest.raises(RuntimeError, match=r"update\(new_scale=scaler.get_scale\(\)\)"):
+        scaler.load_state_dict(saved)
+    scaler.update(new_scale=scaler.get_scale())
+    assert scaler.stats.steps == 0  # no step counted
+    scaler.load_state_dict(saved)
+    assert scaler.get_scale() == 2.0**10
+
+
 def test_resume_load_after_loss_scale_tensor_is_refused() -> None:
     """`loss_scale_tensor()` hands out the scale a backward may carry (Megatron's auxiliary
     losses): the iteration is under way."""

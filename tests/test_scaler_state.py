@@ -44,6 +44,27 @@ def test_state_dict_round_trip_keeps_counters_and_trackers() -> None:
     assert restored.state_dict()["_hysteresis_tracker"] == 2
 
 
+def test_state_dict_with_a_tracker_past_a_lowered_interval_loads_and_grows_as_torchs() -> None:
+    """`set_growth_interval()` below the growth tracker leaves a state torch's scaler saves and
+    loads: the tracker counts on without growing, as torch's kernel counts it, until an
+    overflow; ours saves it, loads it (into itself, a new scaler, and torch's), and moves it
+    bit for bit as torch's does."""
+    ours, theirs = ShardedGradScaler(init_scale=8.0), torch.amp.GradScaler("cpu", init_scale=8.0)
+    for scaler in (ours, theirs):
+        overflow_steps(scaler, [False, False, False])  # type: ignore[arg-type]
+        scaler.set_growth_interval(2)  # the tracker is 3 now
+    for load in (ours, ShardedGradScaler(), theirs):
+        load.load_state_dict(ours.state_dict())
+    assert ours.state_dict()["_growth_tracker"] == theirs.state_dict()["_growth_tracker"] == 3
+    for overflows in ([False, False], [True, False, False]):
+        overflow_steps(ours, overflows)
+        overflow_steps(theirs, overflows)  # type: ignore[arg-type]
+        assert (ours.get_scale(), ours._get_growth_tracker()) == (
+            theirs.get_scale(),
+            theirs._get_growth_tracker(),
+        )
+
+
 def test_load_state_dict_before_first_scale_is_used_by_it() -> None:
     scaler = ShardedGradScaler()
     scaler.load_state_dict({**ShardedGradScaler(init_scale=32.0).state_dict()})
@@ -82,9 +103,9 @@ _V2_KEYS = ("format_version", "forward_overflows", "retries", *_FIT_KEYS)  # wha
         ({**_GOOD, "scale": math.inf}, ValueError, r"got inf"),
         ({**_GOOD, "scale": 1e-9}, ValueError, r"scale must be in \[min_scale, max_scale\]"),
         (
-            {**_GOOD, "_growth_tracker": 4},
+            {**_GOOD, "_growth_tracker": -1},
             ValueError,
-            r"_growth_tracker must be in \[0, growth_interval\) = \[0, 4\), got 4",
+            r"_growth_tracker must be in \[0, 2\*\*30\), got -1",
         ),
         ({**_GOOD, "_growth_tracker": 1.5}, TypeError, r"must be an int, got float: 1.5"),
         (
