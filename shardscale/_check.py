@@ -706,6 +706,7 @@ class Agreement:
         if head is None:
             head = ballot.tensor[: Layout.UNITS.stop].tolist()
         if not ballot.has_scale and head[Layout.SCALED] == 0.0:
+            self.home.withdraw()
             raise RuntimeError(no_scale_message(caller))
         start = Layout.UNITS.start + Unit.HAS
         return [held or head[start + i * len(Unit)] > 0 for i, held in enumerate(ballot.has)]

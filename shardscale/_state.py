@@ -495,6 +495,12 @@ class ScaleHome:
         """The group agreed that some rank scaled: this rank may now modify its gradients."""
         self.unconfirmed = False
 
+    def withdraw(self) -> None:
+        """The group agreed that no rank scaled: the state a step put here unconfirmed goes
+        back to the host (every rank's calls then fail alike, in torch's words)."""
+        if self.unconfirmed:
+            self.device, self.unconfirmed = None, False
+
     def require(self, funcname: str) -> DeviceState:
         """The state on its device; torch's error if no `scale()` (or step) put it there.
 

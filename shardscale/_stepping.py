@@ -578,12 +578,15 @@ class Steps:
         target's `step()` returned (None where skipped).
 
         Raises:
-            RuntimeError: a non-fused optimizer none of whose parameters holds a gradient on any
-                rank (torch's words), before any target steps, on every rank alike.
+            RuntimeError: an optimizer none of whose parameters held a gradient on any rank when
+                it was checked (torch's words), before any target steps, on every rank alike: a
+                non-fused one, or one `unscale_()` checked (torch's fused path checks at the step
+                itself, and steps nothing there).
         """
         verdicts = [cast(Verdict, combined(map(_VERDICT, records))) for _, records in plan.targets]
         for (_, records), verdict in zip(plan.targets, verdicts, strict=True):
-            if verdict.has_grads is False and not all(map(_TAKES_SCALE, records)):
+            checked_before = any(r.stage is Stage.UNSCALED or not r.takes_scale for r in records)
+            if verdict.has_grads is False and checked_before:
                 world_size = self.agreement.exchange.world_size
                 raise RuntimeError(no_inf_checks_message(world_size))
         results: list[Any] = []
@@ -643,14 +646,22 @@ class Steps:
         register(partial(_agree_first, weakref.ref(self)))
 
     def agree_before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The hook's work (see [`_agree_before_fused_step`][_agree_before_fused_step])."""
+        """The hook's work (see [`_agree_before_fused_step`][_agree_before_fused_step]).
+
+        Raises:
+            RuntimeError: no rank held a gradient when `unscale_()` checked it (as this
+                scaler's own step raises there: the gradients since were never checked).
+        """
         record = self.book.records.get(id(optimizer))
-        found_inf = getattr(optimizer, "found_inf", None)
+        found_inf = getattr(optimizer, "found_inf", None)  # torch's sum: the int 0 of no flag
         if record is None or record.waiting_flags() is None or found_inf is None:
             return
         self.agree(self.loss_scale("step", optimizer), "step")
-        agreed = move(cast(Verdict, record.verdict).found_inf, found_inf.device)
-        optimizer.found_inf = agreed  # type: ignore[attr-defined]
+        verdict = cast(Verdict, record.verdict)
+        if not verdict.has_grads:
+            raise RuntimeError(no_inf_checks_message(self.agreement.exchange.world_size))
+        device = found_inf.device if isinstance(found_inf, torch.Tensor) else verdict.flags.device
+        optimizer.found_inf = move(verdict.found_inf, device)  # type: ignore[attr-defined]
 
     def clip(
         self, params: list[torch.Tensor], max_norm: float, norm_type: float, replicas: int

@@ -289,7 +289,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def scale(self, outputs: torch.Tensor | Iterable[Any]) -> torch.Tensor | Iterable[Any]:
         """Multiply a loss (or nested lists/tuples of them) by the current scale.
 
-        The result keeps each input's dtype. Other iterables are scaled lazily, as torch does.
+        The result's dtype is torch's: the input's, but for a 0-dim fp16/bf16 loss, whose
+        product with the float32 scale is float32 (torch's type promotion). Other iterables
+        are scaled lazily, as torch does.
         Each loss is also checked, on the device, for inf/NaN (two small kernels, no host
         synchronisation): a step whose loss was non-finite on any rank is skipped on every rank
         with the scale held, since no scale can fix a forward overflow.
@@ -311,7 +313,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 f"device={device_type!r}; pass the loss's device, or leave device unset"
             )
         loss_scale = self._steps.note_loss(outputs, fit=self.policy.fit)
-        return (outputs * move(loss_scale, outputs.device)).to(outputs.dtype)
+        return outputs * move(loss_scale, outputs.device)
 
     def loss_scale_tensor(self, device: str | torch.device | None = None) -> torch.Tensor:
         """The scale this iteration's losses are multiplied by: a float32 scalar tensor, read

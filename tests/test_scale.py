@@ -10,16 +10,20 @@ import torch
 from shardscale import ShardedGradScaler
 
 
-def test_scale_nested_lists_and_tuples_keep_structure_and_dtype() -> None:
-    scaler = ShardedGradScaler(init_scale=4.0)
-    half = torch.tensor(1.5, dtype=torch.float16)
-    bf16 = torch.tensor(2.0, dtype=torch.bfloat16)
-    scaled = scaler.scale([half, (bf16, [torch.tensor(3.0)])])
+def test_scale_nested_lists_and_tuples_keep_structure_and_torchs_dtypes() -> None:
+    """The structure kept; each output's dtype what torch's scaler gives (a 0-dim half loss
+    times the float32 scale promotes to float32; a dimensioned one stays half)."""
+    outputs = [
+        torch.tensor(1.5, dtype=torch.float16),
+        (torch.tensor([2.0], dtype=torch.bfloat16), [torch.tensor(3.0)]),
+    ]
+    scaled = ShardedGradScaler(init_scale=4.0).scale(outputs)
+    theirs = torch.amp.GradScaler("cpu", init_scale=4.0).scale(outputs)
     assert isinstance(scaled, list)
     assert isinstance(scaled[1], tuple)
-    assert scaled[0].dtype == torch.float16
+    assert scaled[0].dtype == theirs[0].dtype == torch.float32
     assert scaled[0].item() == 6.0
-    assert scaled[1][0].dtype == torch.bfloat16
+    assert scaled[1][0].dtype == theirs[1][0].dtype == torch.bfloat16
     assert scaled[1][1][0].item() == 12.0
 
 
