@@ -1,0 +1,54 @@
+"""What the pages say about the repository, torch and the frameworks, checked where a test can.
+
+A second reading of the pages found sentences that were true once, or never (issue 70): a
+framework said to have a demo that has none, numpy said to be needed on more than one rank where
+one rank with a process group needs it, an error said to name what it does not, the fit's figures
+from before its margin. Each such sentence a test can hold is checked here against what it
+describes: the repository's files, torch run without a package, the error the code raises, the
+figures a test pins or a table on the same page records. (Facts that live on PyPI, which the
+suite does not reach, were checked by hand; the commits that wrote them say how.)
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _text(page: str) -> str:
+    """The page with its line breaks and indents as single spaces, as a reader reads it."""
+    return " ".join((ROOT / page).read_text().split())
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+
+
+def test_index_says_which_frameworks_have_a_demo_as_launch_demos_holds() -> None:
+    """docs/index.md's Frameworks section: every framework of its table is named as having a
+    demo in launch/demos/ or as having none, and the folder agrees."""
+    index = (ROOT / "docs" / "index.md").read_text()
+    said = re.search(
+        r"([^.;]+) each have a demo in `launch/demos/`; ([^.;(]+) have none",
+        " ".join(index.split()),
+    )
+    assert said, "docs/index.md no longer says which frameworks have a demo"
+    with_demo, without = (re.split(r", | and ", names.strip()) for names in said.groups())
+    section = index.split("## Frameworks", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| ([A-Za-z-]+)", section, flags=re.MULTILINE)
+    tabled = {row for row in rows if row != "framework"}
+    assert tabled == {*with_demo, *without}, (tabled, with_demo, without)
+    demos = [path.name for path in (ROOT / "launch" / "demos").glob("*.py")]
+
+    def has_demo(framework: str) -> bool:
+        prefix = framework.lower().split("-")[0] + "_"  # DeepSpeed: deepspeed_paths.py
+        return any(name.startswith(prefix) for name in demos)
+
+    assert [f for f in with_demo if not has_demo(f)] == []
+    assert [f for f in without if has_demo(f)] == []
