@@ -52,3 +52,37 @@ def test_index_says_which_frameworks_have_a_demo_as_launch_demos_holds() -> None
 
     assert [f for f in with_demo if not has_demo(f)] == []
     assert [f for f in without if has_demo(f)] == []
+
+
+_DCP_WITHOUT_NUMPY = """
+import sys, tempfile, warnings
+sys.modules["numpy"] = None  # as where numpy is not installed: torch starts without it
+warnings.simplefilter("ignore")
+import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+if {group}:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+state = {{"w": torch.ones(3), "n": 5}}
+path = tempfile.mkdtemp()
+try:
+    dcp.save(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path)
+    print("saved and loaded")
+except Exception as error:
+    print(f"{{type(error).__name__}}: {{error}}")
+"""
+
+
+def test_dcp_needs_numpy_once_a_process_group_exists_one_rank_included() -> None:
+    """docs/checkpoints.md: without a process group DCP saves and loads without numpy; with a
+    group of one rank its object collectives need it, and say so."""
+    alone = _python(_DCP_WITHOUT_NUMPY.format(group=False))
+    grouped = _python(_DCP_WITHOUT_NUMPY.format(group=True))
+    assert alone.stdout.strip() == "saved and loaded", alone.stdout + alone.stderr
+    assert grouped.stdout.strip() == "RuntimeError: Numpy is not available", (
+        grouped.stdout + grouped.stderr
+    )
+    page = _text("docs/checkpoints.md")
+    assert "DCP needs numpy once a process group exists, one rank included" in page
+    assert "`RuntimeError: Numpy is not available`" in page
+    assert "Without a process group it runs without numpy" in page
+    assert "needs numpy once a process group exists, one rank included" in _text("docs/training.md")
