@@ -11,10 +11,13 @@ suite does not reach, were checked by hand; the commits that wrote them say how.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,3 +89,28 @@ def test_dcp_needs_numpy_once_a_process_group_exists_one_rank_included() -> None
     assert "`RuntimeError: Numpy is not available`" in page
     assert "Without a process group it runs without numpy" in page
     assert "needs numpy once a process group exists, one rank included" in _text("docs/training.md")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="needs torchtitan")
+def test_torchtitan_page_names_what_fp16_names_on_a_torch_without_set_timeout() -> None:
+    """docs/torchtitan.md says which of the two things torch 2.13 lacks `fp16()` names; its
+    error is raised here on a torch without `set_timeout` (as 2.13 is; removed on a newer one)."""
+    raised = _python(
+        "import torch.distributed as dist\n"
+        "if hasattr(dist, 'set_timeout'):\n"
+        "    del dist.set_timeout\n"
+        "from shardscale.integrations.torchtitan import fp16\n"
+        "try:\n"
+        "    fp16(None)\n"
+        "except RuntimeError as error:\n"
+        "    print(error)\n"
+    )
+    error = raised.stdout
+    assert "set_timeout" in error, raised.stdout + raised.stderr
+    named = re.findall(r"fp16\(\)`? raises, naming `([^`]+)`", _text("docs/torchtitan.md"))
+    assert len(named) == 2, named  # the example's comment and the Versions section
+    candidates = ("torch.distributed.set_timeout", "arg_mbs")
+    assert {c for c in candidates if c in error} == {c for c in candidates if c in named}, (
+        error,
+        named,
+    )
