@@ -114,3 +114,57 @@ def test_torchtitan_page_names_what_fp16_names_on_a_torch_without_set_timeout() 
         error,
         named,
     )
+
+
+def test_scale_policies_page_states_the_fits_ends_the_fit_tests_pin() -> None:
+    """docs/scale-policies.md's measured ends of the fit on the gain model are tests/test_fit.py's:
+    FIT_MARGIN below the largest safe scale, one process and FSDP2, no skip."""
+    from shardscale._policy import FIT_MARGIN, FIT_WINDOW
+    from tests.test_fit import SAFE_EXPONENT
+
+    one, eight = (SAFE_EXPONENT[micro] - FIT_MARGIN for micro in (1, 8))
+    bits = {1: "one bit"}[FIT_MARGIN]
+    page = _text("docs/scale-policies.md")
+    for claim in (
+        f"the gain model above ends at 2^{one} with no skip, for one backward a step, and at "
+        f"2^{eight} for 8 accumulated micro-batches, each {bits} below the largest scale at which "
+        f"every backward stays finite (2^{SAFE_EXPONENT[1]} and 2^{SAFE_EXPONENT[8]}: the fit's "
+        f"starting margin of {bits})",
+        f"under FSDP2 on 2 gloo ranks, at 2^{one} too, with no skip, from step {FIT_WINDOW + 1} "
+        f"on (its first iteration reads the sharded `.grad`, which puts it at 2^12 until that "
+        f"reading leaves the fit's {FIT_WINDOW}-step window)",
+    ):
+        assert claim in page, f"docs/scale-policies.md no longer says {claim!r}"
+
+
+def _gpt_rows() -> dict[str, tuple[str, float, str]]:
+    """docs/scale-policies.md's GPT table: policy -> (final scale, the largest fraction of an
+    activation gradient below 2^-14 over the seeds, and its module)."""
+    rows = {}
+    for line in (ROOT / "docs" / "scale-policies.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and cells[3].startswith("2^"):
+            seeds = re.findall(r"([\w.]+) ([\d.]+)%", cells[6])
+            module, worst = max(seeds, key=lambda seed: float(seed[1]))
+            rows[cells[0]] = (cells[3], float(worst), module)
+    return rows
+
+
+def test_per_block_note_and_observability_quote_the_gpt_tables_figures() -> None:
+    """Where docs/scale-policies.md's per-block note and docs/observability.md speak of the GPT
+    job's activation gradients at the fit's and the interval rule's scales, they quote the
+    table the rig measured (they once quoted the fit before its margin)."""
+    rows = _gpt_rows()
+    fit_scale, fit_worst, fit_module = rows['shardscale, scale_policy="fit"']
+    interval_scale, interval_worst, interval_module = rows["shardscale (interval)"]
+    assert fit_worst < 1.0  # "no module loses 1%"
+    note = _text("docs/scale-policies.md")
+    assert (
+        f"At the scale the fit ends at now ({fit_scale}, the table above), no module loses 1% "
+        f"(at most {fit_worst:.2f}%, `{fit_module}`), nor at the interval rule's {interval_scale} "
+        f"(at most {interval_worst:.2f}%, `{interval_module}`)"
+    ) in note
+    observability = _text("docs/observability.md")
+    assert f"by step 300 up to {interval_worst:.2f}% of its logits' (`head`)" in observability
+    assert interval_module == "head"  # the logits'
+    assert f"the fit's {fit_scale} at most {fit_worst:.2f}% of any module's" in observability
