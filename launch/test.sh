@@ -34,7 +34,7 @@ fi
 cd "$(dirname "$0")/.."
 
 # megatron_sources PYTHON: unpack megatron-core's pinned sources (tests/megatron_sources.py: its
-# wheels are for Python 3.12 only, so the tests import its sources, never install it) and export
+# wheels need Python 3.12 or newer, so the tests import its sources, never install it) and export
 # their folder for tests/test_integration_megatron.py; offline, those tests skip, saying why (or
 # fail, with SHARDSCALE_REQUIRE_MEGATRON=1, as in CI)
 megatron_sources() {

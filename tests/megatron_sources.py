@@ -1,14 +1,15 @@
 """megatron-core's Python sources for the tests: fetched once, unpacked, imported from there.
 
-megatron-core publishes cp312 wheels only (`Requires-Python >=3.12`), and CI runs Python 3.11;
-its Python sources import on 3.11 without CUDA, apex or Transformer Engine (0.19.2 warns that it
-falls back to torch's optimizers and its own multi-tensor kernels). So the tests do not
-pip-install it: `python tests/megatron_sources.py` downloads the one pinned wheel with pip
-(`pip download --python-version 3.12 --only-binary=:all: --no-deps`) and unpacks its `megatron`
-package into a folder of its own, printed on stdout. launch/test.sh runs it before pytest and
-exports the folder as SHARDSCALE_MEGATRON_SOURCES; the tests put it on `sys.path`. Without the
-sources they skip, saying so, except where SHARDSCALE_REQUIRE_MEGATRON=1 (CI sets it): there
-they fail.
+megatron-core publishes wheels for Python 3.12 and newer only (0.19.2: cp312 and cp313,
+`Requires-Python >=3.12`), and CI runs Python 3.11; its `megatron/core` sources import on 3.11
+without CUDA, apex or Transformer Engine (0.19.2 warns that it falls back to torch's optimizers and
+its own multi-tensor kernels; its `megatron/training` does not: it imports `typing.override`). So
+the tests do not pip-install it: `python tests/megatron_sources.py` downloads the one pinned wheel
+with pip (`pip download --python-version 3.12 --only-binary=:all: --no-deps`) and unpacks its
+`megatron` package into a folder of its own, printed on stdout. launch/test.sh runs it before pytest
+and exports the folder as SHARDSCALE_MEGATRON_SOURCES; the tests put it on `sys.path`. Without the
+sources they skip, saying so, except where SHARDSCALE_REQUIRE_MEGATRON=1 (CI sets it): there they
+fail.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ steps are verl's own ``forward_backward_batch`` and ``optimizer_step``.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -20,6 +21,11 @@ from tests.harness import run_ranks
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("frameworks")]
 
 DEMOS = str(Path(__file__).resolve().parent.parent / "launch" / "demos")
+# The Megatron tests import verl in this process: without it they skip (`-k megatron` on an
+# install without the verl extra).
+needs_verl = pytest.mark.skipif(
+    importlib.util.find_spec("verl") is None, reason="needs shardscale[verl]"
+)
 
 
 def _run_steps(engine: Any, verl_engine: Any) -> list[dict[str, Any]]:
@@ -220,6 +226,7 @@ def _engine_step(engine: Any, groups: Any, inputs: Any, value: float | None = No
     return engine.optimizer_step()
 
 
+@needs_verl
 @pytest.mark.filterwarnings("ignore::UserWarning")  # Megatron's fallbacks (no TE, no apex)
 def test_verl_megatron_fp16_precision_aware_skipped_step_returns_and_training_goes_on(
     world_of_one: Any,
@@ -276,6 +283,7 @@ def test_verl_megatron_fp16_precision_aware_skipped_step_returns_and_training_go
     assert results["moved"] == [[1.0] * 3 + [2.0] * 2, [3.0] * 4]  # step 1 only (SGD, lr 1)
 
 
+@needs_verl
 @pytest.mark.filterwarnings("ignore::UserWarning")  # Megatron's fallbacks (no TE, no apex)
 def test_verl_install_converts_megatron_engines_optimizer_as_verl_builds_it(
     world_of_one: Any, monkeypatch: pytest.MonkeyPatch

@@ -1,6 +1,6 @@
 """DeepSpeed: one agreed loss scale for ZeRO 1-3 on the torch-autocast fp16 path.
 
-DeepSpeed (0.17+) trains fp16 with torch's autocast when its config says
+DeepSpeed (0.17.2 and later) trains fp16 with torch's autocast when its config says
 `"torch_autocast": {"enabled": true, "dtype": "torch.float16"}`. Its ZeRO optimizers then build
 a plain `torch.amp.GradScaler` per rank, which checks only that rank's partition and is stepped
 and updated once per parameter group; DeepSpeed's own (all-reduced) overflow check is off on
