@@ -35,7 +35,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from enum import Enum
 
 from torch.utils.hooks import RemovableHandle
@@ -115,13 +115,13 @@ def stats_of(scale: float, counters: Counters, meter: Sequence[float] = (0, 0, 0
     """Stats from host values (`meter`: `DeviceState.meter`'s; a step of 0: never read)."""
     step, fraction, fitted = meter
     if not step:
-        return ScalerStats(scale=scale, **asdict(counters))
+        return ScalerStats(scale=scale, **counters.step_counts())
     return ScalerStats(
         scale=scale,
         underflow=fraction,
         underflow_scale=None if math.isnan(fitted) else fitted,
         underflow_step=int(step),
-        **asdict(counters),
+        **counters.step_counts(),
     )
 
 
@@ -178,10 +178,10 @@ class StepReporter:
         the stats in flight at most once. Reentrant: a hook may read `stats`."""
 
     def restart(self, counters: Counters) -> None:
-        """A state was loaded: forget the copies in flight and the streaks, count from
-        `counters`."""
+        """A state was loaded: forget the copies in flight, count from `counters`, and watch
+        from the next update a streak they show under way, as the run that saved them would."""
         self._stats = self._trigger = None
-        self._streak_at = None
+        self._streak_at = counters.steps if self._streaking(counters.by_count()) else None
         self._forward_overflows = counters.forward_overflows
 
     def register(self, hook: StatsHook) -> RemovableHandle:

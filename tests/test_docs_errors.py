@@ -116,6 +116,9 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "RuntimeError: step() has already been called": _twice("step", "step"),
     "RuntimeError: No inf checks were recorded prior to update.": _update_alone,
     "ValueError: state_dict has unknown key(s)": _load(extra=1),
+    "ValueError: state_dict counters must satisfy floor_streak": _load(
+        steps=2, skipped_steps=1, consecutive_skips=1, last_overflow_step=2, floor_streak=2
+    ),
     "TypeError: state_dict['scale'] must be a float": _load(scale="8"),
     "RuntimeError: Attempted clip_grad_norm_": _clip_before_scale,
     "ShardScaleSkipError: step 3": _skip_limit,
