@@ -55,7 +55,9 @@ def load_whole(
     DCP calls it (torch's `get_state_dict` gives an optimizer that never stepped its zero
     state then). The scaler asks only for the entries the checkpoint holds: an older
     format's, or a torch scaler's, load as
-    [`load_state_dict()`][shardscale.ShardedGradScaler.load_state_dict] reads them.
+    [`load_state_dict()`][shardscale.ShardedGradScaler.load_state_dict] reads them. Every
+    rank reads the checkpoint's metadata itself first, as DCP's reader does: a checkpoint every
+    rank sees alike (a shared filesystem).
 
     Args:
         state: the dict that was saved, of the live objects to load into.
