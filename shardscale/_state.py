@@ -369,9 +369,10 @@ PACKED_COUNTERS = 3
 def unpack(values: list[float]) -> tuple[ScaleState, Counters]:
     """The host values of `DeviceState.packed()` (the meter's three last are not read here)."""
     scale, growth, hysteresis, *rest = values
-    steps, skipped, consecutive, since, forward, retries, floor, losses = rest[:COUNTERS]
+    steps, skipped, consecutive, since, forward, retries = rest[:6]
     last_overflow = steps - since if skipped else 0
-    counts = (steps, skipped, consecutive, last_overflow, forward, retries, floor, losses)
+    streaks = (rest[Count.FLOOR_STREAK], rest[Count.LOSS_STREAK])
+    counts = (steps, skipped, consecutive, last_overflow, forward, retries, *streaks)
     counters = Counters(*map(int, counts))
     margin, streak, *window = rest[COUNTERS:-3]
     trackers = (int(growth), int(hysteresis), int(margin))
