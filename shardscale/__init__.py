@@ -2,7 +2,9 @@
 
 import importlib.metadata as _metadata
 
+from shardscale._dcp import load_whole
 from shardscale._errors import (
+    ShardScaleCheckpointError,
     ShardScaleDistributedError,
     ShardScaleMismatchError,
     ShardScaleNonFiniteError,
@@ -31,6 +33,7 @@ __all__ = [
     "ScalePolicy",
     "ScaleState",
     "ScalerStats",
+    "ShardScaleCheckpointError",
     "ShardScaleDistributedError",
     "ShardScaleMismatchError",
     "ShardScaleNonFiniteError",
@@ -43,6 +46,7 @@ __all__ = [
     "count_collectives",
     "find_nonfinite_grads",
     "find_underflowing_grads",
+    "load_whole",
     "watch_activations",
 ]
 

@@ -6,17 +6,21 @@ value and relation before anything changes).
 Checkpoints load both ways with torch's scalers: our state dict carries torch's five keys with
 torch's meanings (`scale`, `growth_factor`, `backoff_factor`, `growth_interval`,
 `_growth_tracker`), which is all `torch.amp.GradScaler.load_state_dict` reads; ours adds the
-hysteresis settings, the floor and ceiling, `dynamic`, the step counters, `format_version` and
-the scale policy with its learned state (`scale_policy`, `_fit_margin`, `_fit_window`,
-`_fit_streak`). A torch state dict has none of our keys and loads with our current settings, a
-full hysteresis allowance and zeroed counters. Each format version has its own set of our keys,
-all required (a dict with only some of them is damaged): version 0 (no `format_version`) and 1
-lack the forward-overflow and retry counters of version 2, which then start at 0; versions 0 to
-2 lack the policy's keys of version 3 (the loading scaler keeps its own policy, and the fit's
-margin and window start afresh); version 3 lacks the fit's overflow streak of version 4 (it
-starts at 0); a dict from a newer shardscale is refused. All values are Python numbers (the
-policy's name a string, the window a list of them), identical on every rank, so
-`torch.distributed.checkpoint` stores one copy and loads it at any world size.
+hysteresis settings, the floor and ceiling, `dynamic`, the step counters and the streaks the
+alarms count (`floor_streak`, `loss_streak`), `format_version` and the scale policy with its
+learned state (`scale_policy`, `_fit_margin`, `_fit_window`, `_fit_streak`). Every count that
+decides an error or an alarm is here, so a run resumed mid-streak raises at the step the
+uninterrupted one would. A torch state dict has none of our keys and loads with our current
+settings, a full hysteresis allowance and zeroed counters. Each format version has its own set
+of our keys, all required (a dict with only some of them is damaged): version 0 (no
+`format_version`) and 1 lack the forward-overflow and retry counters of version 2, which then
+start at 0; versions 0 to 2 lack the policy's keys of version 3 (the loading scaler keeps its
+own policy, and the fit's margin and window start afresh); version 3 lacks the fit's overflow
+streak of version 4 (it starts at 0); versions 0 to 4 lack the alarms' streaks of version 5
+(they start at 0: a streak under way counts again from the load); a dict from a newer
+shardscale is refused. All values are Python numbers (the policy's name a string, the window a
+list of them), identical on every rank, so `torch.distributed.checkpoint` stores one copy and
+loads it at any world size.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from shardscale._policy import (
 from shardscale._state import Counters, ScalerState
 
 # The version `state_dict()` writes.
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 _POLICY_KEYS = ("hysteresis", "_hysteresis_tracker", "min_scale", "max_scale", "dynamic")
@@ -49,8 +53,9 @@ _V1_KEYS = (*_V0_KEYS, "format_version")
 _V2_KEYS = (*_V1_KEYS, "forward_overflows", "retries")
 _V3_KEYS = (*_V2_KEYS, "scale_policy", "_fit_margin", "_fit_window")
 _V4_KEYS = (*_V3_KEYS, "_fit_streak")
+_V5_KEYS = (*_V4_KEYS, "floor_streak", "loss_streak")
 # Our keys in each format version: all of them, or none (a torch state dict).
-OUR_KEYS_BY_VERSION = {0: _V0_KEYS, 1: _V1_KEYS, 2: _V2_KEYS, 3: _V3_KEYS, 4: _V4_KEYS}
+OUR_KEYS_BY_VERSION = dict(enumerate((_V0_KEYS, _V1_KEYS, _V2_KEYS, _V3_KEYS, _V4_KEYS, _V5_KEYS)))
 
 
 def to_state_dict(state: ScalerState) -> dict[str, Any]:
@@ -134,6 +139,7 @@ def parse_state_dict(
             "from a disabled instance of GradScaler."
         )
     version = _version(state_dict)
+    state_dict = _as_saved(state_dict, version)
     ours = _check_keys(state_dict, version)
     policy_changes, fit_state, hysteresis_tracker = _settings(state_dict, version, ours)
     scale = _number(state_dict, "scale", float)
@@ -146,7 +152,7 @@ def parse_state_dict(
     saved.check_state(scale_state)  # whole, as it was saved
     passed = passed - set(_TORCH_SETTINGS)  # torch's: the checkpoint's, as torch loads them
     kept, forced = _winners(current, saved, passed)
-    state = ScalerState(kept, _within(scale_state, kept), _counters(state_dict))
+    state = _within(ScalerState(kept, scale_state, _counters(state_dict)))
     message = _differences(current, saved, kept, passed, forced)
     if message is not None and state.scale.scale != scale:
         message += f" The checkpoint's scale {scale:g} becomes {state.scale.scale:g}, within them."
@@ -194,18 +200,26 @@ def _winners(
     return replace(current, **won), forced
 
 
-def _within(state: ScaleState, policy: ScalePolicy) -> ScaleState:
-    """`state` brought within `policy`'s settings: the scale clamped to `[min_scale,
-    max_scale]`, the hysteresis allowance to `hysteresis`; and, where `policy` does not fit,
-    the fit's state afresh: it reads the gradients of the steps before the checkpoint, which
-    a fit switched back on later would take for today's."""
+def _within(state: ScalerState) -> ScalerState:
+    """`state` brought within its policy's settings: the scale clamped to `[min_scale,
+    max_scale]`, the hysteresis allowance to `hysteresis`; where the policy does not fit, the
+    fit's state afresh: it reads the gradients of the steps before the checkpoint, which a fit
+    switched back on later would take for today's; and where the scale is left above a dynamic
+    policy's floor (a lower `min_scale` passed, a fixed scale made dynamic), no floor streak:
+    it counted overflows at a floor the scale has left, as the device's update would end it."""
+    policy, scale = state.policy, state.scale
     if not policy.fit:  # the fit's fields at ScaleState's own start
-        state = ScaleState(state.scale, state.growth_tracker, state.hysteresis_tracker)
-    return replace(
-        state,
-        scale=min(max(state.scale, policy.min_scale), policy.max_scale),
-        hysteresis_tracker=min(state.hysteresis_tracker, policy.hysteresis),
+        scale = ScaleState(scale.scale, scale.growth_tracker, scale.hysteresis_tracker)
+    scale = replace(
+        scale,
+        scale=min(max(scale.scale, policy.min_scale), policy.max_scale),
+        hysteresis_tracker=min(scale.hysteresis_tracker, policy.hysteresis),
     )
+    counters = state.counters
+    # compared as the device compares them: its float32 scale with the floor
+    if policy.dynamic and bool(torch.tensor(scale.scale, dtype=torch.float32) > policy.min_scale):
+        counters = replace(counters, floor_streak=0)
+    return ScalerState(policy, scale, counters)
 
 
 def _differences(
@@ -259,6 +273,18 @@ def _version(state_dict: Mapping[str, Any]) -> int:
             f"{version}: a newer shardscale saved it"
         )
     return int(version)
+
+
+def _as_saved(state_dict: Mapping[str, Any], version: int) -> Mapping[str, Any]:
+    """The dict without the keys that formats after its own added, where it names its format:
+    `torch.distributed.checkpoint` with `allow_partial_load=True` fills them in, for an older
+    checkpoint, with the loading scaler's own values, which say nothing of the run that saved
+    it. They start as that format's load starts them. (Without a `format_version`, a later
+    format's keys are refused: `_check_keys`.)"""
+    if version == 0:
+        return state_dict
+    later = set(OUR_KEYS_BY_VERSION[FORMAT_VERSION]) - set(OUR_KEYS_BY_VERSION[version])
+    return {key: value for key, value in state_dict.items() if key not in later}
 
 
 def _check_keys(state_dict: Mapping[str, Any], version: int) -> bool:
@@ -348,5 +374,15 @@ def _counters(state_dict: Mapping[str, Any]) -> Counters:
             "state_dict counters must satisfy 0 <= forward_overflows <= skipped_steps and "
             f"retries >= 0, got forward_overflows={counters.forward_overflows}, "
             f"skipped_steps={counters.skipped_steps}, retries={counters.retries}"
+        )
+    floor, losses, skips = counters.floor_streak, counters.loss_streak, counters.consecutive_skips
+    # each streak counts skipped steps in a row, of other kinds: gradient and forward overflows
+    if floor < 0 or not 0 <= losses <= counters.forward_overflows or floor + losses > skips:
+        raise ValueError(
+            "state_dict counters must satisfy floor_streak >= 0, 0 <= loss_streak <= "
+            "forward_overflows and floor_streak + loss_streak <= consecutive_skips (each streak "
+            f"counts skipped steps in a row, of other kinds), got floor_streak={floor}, "
+            f"loss_streak={losses}, forward_overflows={counters.forward_overflows}, "
+            f"consecutive_skips={skips}"
         )
     return counters

@@ -61,6 +61,17 @@ class ShardScaleMismatchError(ShardScaleDistributedError):
     """
 
 
+class ShardScaleCheckpointError(RuntimeError):
+    """A checkpoint could not be loaded, and nothing was: what was passed is as it was.
+
+    Raised by [`load_whole()`][shardscale.load_whole] on every rank together; the
+    message names the checkpoint, the file and the entry (its metadata unreadable, a file
+    missing or cut short, an entry that does not read, or the scaler's entry refused), and
+    what DCP raised. A `RuntimeError`, so `except Exception` catches it (DCP's own
+    `CheckpointException` is a `BaseException`, which it does not).
+    """
+
+
 class ShardScaleSkipError(RuntimeError):
     """More consecutive steps were skipped than `max_consecutive_skips` allows.
 

@@ -35,7 +35,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from enum import Enum
 
 import torch
@@ -57,7 +57,6 @@ from shardscale._state import (
     Counters,
     DeviceState,
     Landing,
-    count_values,
     device_path,
     unpack,
 )
@@ -123,13 +122,13 @@ def stats_of(scale: float, counters: Counters, meter: Sequence[float] = (0, 0, 0
     """Stats from host values (`meter`: `DeviceState.meter`'s; a step of 0: never read)."""
     step, fraction, fitted = meter
     if not step:
-        return ScalerStats(scale=scale, **asdict(counters))
+        return ScalerStats(scale=scale, **counters.step_counts())
     return ScalerStats(
         scale=scale,
         underflow=fraction,
         underflow_scale=None if math.isnan(fitted) else fitted,
         underflow_step=int(step),
-        **asdict(counters),
+        **counters.step_counts(),
     )
 
 
@@ -191,7 +190,7 @@ class StepReporter:
         as a rank that holds them without loading does (its copy of the last step's, landed),
         so that every rank that holds the same state sounds its alarms at the same update."""
         self._stats = None
-        values = [float(value) for value in count_values(counters)]
+        values = [float(value) for value in counters.by_count()]
         self._trigger = (counters.steps, Landing(torch.tensor(values), lambda: None), 0)
         self._streak_at = counters.steps if self._streaking(values) else None
         self._read = [int(value) for value in values]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from enum import IntEnum
 from typing import Any
 
@@ -26,7 +26,9 @@ from shardscale._policy import ScalePolicy, ScaleState
 
 @dataclass(frozen=True, slots=True)
 class Counters:
-    """How many steps the scaler has seen, skipped and retried.
+    """How many steps the scaler has seen, skipped and retried, and the streaks its alarms
+    watch: all of it in the state dict, so that a resumed run raises where the uninterrupted
+    one would.
 
     Attributes:
         steps: `update()` calls that consumed a step's overflow check.
@@ -37,6 +39,10 @@ class Counters:
             scale held).
         retries: Times `step(closure=...)` backed off and ran a batch again after a gradient
             overflow.
+        floor_streak: Gradient overflows in a row that left the scale at its floor (with
+            `dynamic=False`, at its one value); a forward overflow between them neither counts
+            nor ends it. `max_overflows_at_floor` of them is the error.
+        loss_streak: Forward overflows (non-finite losses) in a row: the loss streak's warning.
     """
 
     steps: int = 0
@@ -45,6 +51,24 @@ class Counters:
     last_overflow_step: int = 0
     forward_overflows: int = 0
     retries: int = 0
+    floor_streak: int = 0
+    loss_streak: int = 0
+
+    def by_count(self) -> tuple[int, ...]:
+        """The values by `Count`, as `DeviceState.counters` holds them (MISMATCH at 0: no state
+        differed yet; BACKOFF's slot apart)."""
+        since = self.steps - self.last_overflow_step  # SINCE_OVERFLOW
+        head = (self.steps, self.skipped_steps, self.consecutive_skips, since)
+        streaks = (self.floor_streak, self.loss_streak)
+        return (*head, self.forward_overflows, self.retries, *streaks, 0)
+
+    def step_counts(self) -> dict[str, int]:
+        """The counts [`ScalerStats`][shardscale.ScalerStats] shows: all but the streaks."""
+        return {name: getattr(self, name) for name in _STEP_COUNTS}
+
+
+# `Counters`' fields that `ScalerStats` shows (the streaks are the alarms' business).
+_STEP_COUNTS = tuple(f.name for f in fields(Counters) if not f.name.endswith("_streak"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,12 +78,6 @@ class ScalerState:
     policy: ScalePolicy
     scale: ScaleState
     counters: Counters
-
-
-def count_values(c: Counters) -> tuple[int, ...]:
-    """`DeviceState.counters`' values for `c`, in `Count`'s order (the streaks start afresh)."""
-    head = (c.steps, c.skipped_steps, c.consecutive_skips)
-    return (*head, c.steps - c.last_overflow_step, c.forward_overflows, c.retries, 0, 0, 0)
 
 
 def fingerprint(state: ScalerState) -> int:
@@ -345,8 +363,7 @@ class DeviceState:
         self.scale.fill_(state.scale.scale)
         self.growth_tracker.fill_(state.scale.growth_tracker)
         self.hysteresis_tracker.fill_(state.scale.hysteresis_tracker)
-        values = count_values(state.counters)
-        self.counters.copy_(torch.tensor(values, dtype=torch.float64))
+        self.counters.copy_(torch.tensor(state.counters.by_count(), dtype=torch.float64))
         fit = state.scale
         self.fit.copy_(torch.tensor([fit.margin, fit.streak, *fit.window]))
         self.meter.zero_()
@@ -422,9 +439,11 @@ PACKED_COUNTERS = 3
 def unpack(values: list[float]) -> tuple[ScaleState, Counters]:
     """The host values of `DeviceState.packed()` (the meter's three last are not read here)."""
     scale, growth, hysteresis, *rest = values
-    steps, skipped, consecutive, since, forward, retries = rest[:6]  # the streaks: not state
+    steps, skipped, consecutive, since, forward, retries = rest[:6]
     last_overflow = steps - since if skipped else 0
-    counters = Counters(*map(int, (steps, skipped, consecutive, last_overflow, forward, retries)))
+    streaks = (rest[Count.FLOOR_STREAK], rest[Count.LOSS_STREAK])
+    counts = (steps, skipped, consecutive, last_overflow, forward, retries, *streaks)
+    counters = Counters(*map(int, counts))
     margin, streak, *window = rest[COUNTERS:-3]
     trackers = (int(growth), int(hysteresis), int(margin))
     return ScaleState(scale, *trackers, window=tuple(window), streak=int(streak)), counters

@@ -15,14 +15,22 @@ from __future__ import annotations
 
 import pickle
 import re
+import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from shardscale import AsyncShardedGradScaler, ShardedGradScaler, ShardScaleSkipError
+from shardscale import (
+    AsyncShardedGradScaler,
+    ShardedGradScaler,
+    ShardScaleSkipError,
+    load_whole,
+)
 from tests.test_budget import CODE_LINES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +54,20 @@ def _load(**changes: object) -> Callable[[], None]:
     def load() -> None:
         state = {**ShardedGradScaler().state_dict(), **changes}
         ShardedGradScaler().load_state_dict(state)
+
+    return load
+
+
+def _load_whole(saved: bool) -> Callable[[], None]:
+    """`load_whole` of a folder that is no checkpoint, or of one saved without the scaler."""
+
+    def load() -> None:
+        folder = Path(tempfile.mkdtemp(prefix="shardscale-errors-"))
+        with warnings.catch_warnings():  # DCP's "assuming ... a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            if saved:
+                dcp.save({"model": {"w": torch.ones(1)}}, checkpoint_id=folder)
+            load_whole({"scaler": ShardedGradScaler()}, checkpoint_id=folder)
 
     return load
 
@@ -116,6 +138,11 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "RuntimeError: step() has already been called": _twice("step", "step"),
     "RuntimeError: No inf checks were recorded prior to update.": _update_alone,
     "ValueError: state_dict has unknown key(s)": _load(extra=1),
+    "ShardScaleCheckpointError: checkpoint ...: its metadata": _load_whole(saved=False),
+    "ShardScaleCheckpointError: checkpoint ... holds no entry": _load_whole(saved=True),
+    "ValueError: state_dict counters must satisfy floor_streak": _load(
+        steps=2, skipped_steps=1, consecutive_skips=1, last_overflow_step=2, floor_streak=2
+    ),
     "TypeError: state_dict['scale'] must be a float": _load(scale="8"),
     "RuntimeError: Attempted clip_grad_norm_": _clip_before_scale,
     "ShardScaleSkipError: step 3": _skip_limit,

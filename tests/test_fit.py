@@ -173,7 +173,7 @@ def test_fit_state_dict_round_trips_and_older_formats_load() -> None:
     for grad in (0.3, math.inf, 0.3e-3):
         _step(scaler, model, optimizer, torch.full((8,), grad))
     state = scaler.state_dict()
-    assert state["format_version"] == 4
+    assert state["format_version"] == 5
     assert state["scale_policy"] == "fit"
     assert state["_fit_streak"] == 0  # the clean step ended it
     assert state["_fit_margin"] == FIT_MARGIN + 1

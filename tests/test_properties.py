@@ -119,11 +119,13 @@ def test_property_state_dict_round_trips_ours_and_through_torch(
         "scale": torch.tensor(state["scale"]).item() if materialized else state["scale"],
         "forward_overflows": 0,
         "retries": 0,
-        "format_version": 4,
+        "format_version": 5,
         "scale_policy": "interval",
         "_fit_margin": FIT_MARGIN,
         "_fit_window": [0.0] * FIT_WINDOW,
         "_fit_streak": 0,
+        "floor_streak": 0,
+        "loss_streak": 0,
     }
     assert ours.state_dict() == expected
     theirs = torch.amp.GradScaler("cpu")

@@ -72,9 +72,10 @@ def test_load_state_dict_before_first_scale_is_used_by_it() -> None:
 
 
 _GOOD = ShardedGradScaler(init_scale=8.0, growth_interval=4, hysteresis=2).state_dict()
-_STREAK_KEY = "_fit_streak"  # what format 3 lacks
+_ALARM_KEYS = ("floor_streak", "loss_streak")  # what format 4 lacks
+_STREAK_KEY = "_fit_streak"  # what format 3 lacks, with those
 _FIT_KEYS = ("scale_policy", "_fit_margin", "_fit_window", _STREAK_KEY)  # what format 2 lacks
-_V2_KEYS = ("format_version", "forward_overflows", "retries", *_FIT_KEYS)  # what format 0 lacks
+_V2_KEYS = ("format_version", "forward_overflows", "retries", *_FIT_KEYS)  # format 0 lacks
 
 
 @pytest.mark.parametrize(
@@ -132,10 +133,10 @@ _V2_KEYS = ("format_version", "forward_overflows", "retries", *_FIT_KEYS)  # wha
         ),
         ([("scale", 1.0)], TypeError, r"state_dict must be a mapping, got list"),
         (
-            {**_GOOD, "format_version": 5},
+            {**_GOOD, "format_version": 6},
             ValueError,
-            r"format_version'\] must be one of \[0, 1, 2, 3, 4\], got 5: a newer shardscale saved "
-            r"it",
+            r"format_version'\] must be one of \[0, 1, 2, 3, 4, 5\], got 6: a newer shardscale "
+            r"saved it",
         ),
         (
             {**_GOOD, "forward_overflows": 1},
@@ -143,15 +144,35 @@ _V2_KEYS = ("format_version", "forward_overflows", "retries", *_FIT_KEYS)  # wha
             r"0 <= forward_overflows <= skipped_steps.*got forward_overflows=1, skipped_steps=0",
         ),
         (
-            {k: v for k, v in _GOOD.items() if k not in _V2_KEYS} | {"new_key": 1},
+            {k: v for k, v in _GOOD.items() if k not in {*_V2_KEYS, *_ALARM_KEYS}} | {"new_key": 1},
             ValueError,
             r"unknown key\(s\) \['new_key'\] for format version 0",
         ),
         (
             {k: v for k, v in _GOOD.items() if k != "format_version"},
             ValueError,
-            r"format version 4's key\(s\) \['_fit_margin', '_fit_streak', '_fit_window', "
-            r"'forward_overflows', 'retries', 'scale_policy'\] but no 'format_version'",
+            r"format version 5's key\(s\) \['_fit_margin', '_fit_streak', '_fit_window', "
+            r"'floor_streak', 'forward_overflows', 'loss_streak', 'retries', 'scale_policy'\] "
+            r"but no 'format_version'",
+        ),
+        (
+            {**_GOOD, "loss_streak": 1},
+            ValueError,
+            r"floor_streak >= 0, 0 <= loss_streak <= forward_overflows and floor_streak \+ "
+            r"loss_streak <= consecutive_skips \(each streak counts skipped steps in a row, of "
+            r"other kinds\), got floor_streak=0, loss_streak=1, forward_overflows=0, "
+            r"consecutive_skips=0",
+        ),
+        (
+            {**_GOOD, "floor_streak": -1},
+            ValueError,
+            r"got floor_streak=-1, loss_streak=0",
+        ),
+        (
+            {**_GOOD, "steps": 3, "skipped_steps": 2, "consecutive_skips": 1, "floor_streak": 2}
+            | {"last_overflow_step": 3},
+            ValueError,
+            r"got floor_streak=2, loss_streak=0, forward_overflows=0, consecutive_skips=1",
         ),
         (
             {k: v for k, v in _GOOD.items() if k != "hysteresis"},
@@ -172,19 +193,28 @@ def test_load_bad_state_dict_raises_and_leaves_scaler_unchanged(
     assert scaler.get_growth_interval() == 3
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3])
+# The keys each format lacks that the next one added.
+_ADDED_AFTER = {
+    1: ("forward_overflows", "retries"),
+    2: _FIT_KEYS[:3],
+    3: (_STREAK_KEY,),
+    4: _ALARM_KEYS,
+}
+
+
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4])
 def test_state_dict_is_versioned_and_older_formats_still_load(version: int) -> None:
     """shardscale 0.1 saved no format_version (format 0), format 1 no forward-overflow and
-    retry counters, format 2 no fit state, format 3 no fit streak: their checkpoints keep
-    loading, those counters starting at 0, the fit margin, window and streak afresh."""
+    retry counters, format 2 no fit state, format 3 no fit streak, format 4 no alarm streaks:
+    their checkpoints keep loading, those counters starting at 0, the fit margin, window and
+    streak afresh."""
     scaler = ShardedGradScaler(init_scale=16.0, growth_interval=3, hysteresis=2)
     overflow_steps(scaler, [False, True, False])
     saved = scaler.state_dict()
-    assert saved["format_version"] == 4
+    assert saved["format_version"] == 5
     assert (saved["forward_overflows"], saved["retries"]) == (0, 0)
-    new_keys = {_STREAK_KEY} if version == 3 else set(_FIT_KEYS)
-    new_keys |= {"forward_overflows", "retries"} if version < 2 else set()
-    old = {k: v for k, v in saved.items() if k not in new_keys | {"format_version"}}
+    lacks = {key for added, keys in _ADDED_AFTER.items() if added >= version for key in keys}
+    old = {k: v for k, v in saved.items() if k not in lacks | {"format_version"}}
     if version:
         old["format_version"] = version
     loaded = ShardedGradScaler(hysteresis=2)

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from shardscale import ShardedGradScaler
+from shardscale import ShardedGradScaler, load_whole
 
 VOCAB, DIM, HEADS, BLOCKS, SEQ, BATCH = 64, 64, 4, 3, 32, 8
 
@@ -66,6 +66,8 @@ class Training(Stateful):
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict:
+        if not self.optimizer.state:  # every step so far skipped (docs/checkpoints.md)
+            self.optimizer.zero_grad(set_to_none=True)
         model, optimizer = get_state_dict(self.model, self.optimizer)
         return {"model": model, "optimizer": optimizer}
 
@@ -120,7 +122,7 @@ def main() -> None:
     state = {"training": Training(model, optimizer), "scaler": scaler}
     start, checkpoint = latest_checkpoint(args.checkpoint_dir)
     if checkpoint is not None:
-        dcp.load(state, checkpoint_id=checkpoint)
+        load_whole(state, checkpoint_id=checkpoint)  # all or nothing, naming what failed
         scaler.verify_agreement()  # every rank loaded the same scaler state
         if rank == 0:
             print(f"resumed from {checkpoint} at step {start}, scale {scaler.get_scale():g}")
@@ -134,8 +136,7 @@ def main() -> None:
         scaler.clip_grad_norm_(model.parameters(), max_norm=1.0)  # the global norm
         scaler.step(optimizer)  # skipped on every rank if any rank's gradients overflowed
         scaler.update()
-        # No gradients between steps: a checkpoint of an optimizer that never stepped then loads.
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)  # no gradients held between steps
         if rank == 0:  # the scale and the skip decision are the same on every rank
             note = ", skipped (inf/NaN gradients)" if scaler.last_step_skipped else ""
             print(f"step {step}: loss {loss.item():.4f}, scale {scaler.get_scale():g}{note}")

@@ -5,7 +5,10 @@ no gather to rank 0. A save writes ``DIR/step_000120.partial/`` and rank 0 renam
 rank has finished, so a folder without a suffix is complete. ``--resume`` takes the newest
 complete one and checks, before loading, that every file the metadata names is there at full
 length: a missing, partial or corrupt checkpoint is a clear error naming the file on every rank
-together, never a silent fresh start.
+together, never a silent fresh start. The load is ``shardscale.load_whole``: into copies,
+taken whole once everything was read, so an entry that cannot be read (a garbled one, which no
+length check sees) leaves the job's model, optimizer and scaler as they were and is named, with
+its file.
 
 What is saved: the model and optimizer (``get_state_dict``: sharded for FSDP, at any world size),
 the scaler (a Stateful of its own), the step and data position, the seed, and the torch RNG state.
@@ -29,6 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+
+from shardscale import ShardScaleCheckpointError, load_whole
 
 _NAME = re.compile(r"^step_(\d{6,})$")
 
@@ -148,9 +153,9 @@ def verify(path: Path) -> None:
 
 
 def load(path: Path, state: dict[str, Any]) -> None:
-    """Load ``path`` into ``state`` in place (Statefuls are loaded through their methods)."""
+    """Load ``path`` into ``state``, whole or not at all (Statefuls through their methods)."""
     verify(path)
     try:
-        dcp.load(state, checkpoint_id=path)
-    except Exception as error:
-        raise CheckpointError(f"checkpoint {path} could not be loaded: {error}") from error
+        load_whole(state, checkpoint_id=path)
+    except ShardScaleCheckpointError as error:
+        raise CheckpointError(str(error)) from error
