@@ -255,12 +255,15 @@ class ClipRequest:
 
 @dataclass(frozen=True, slots=True)
 class ClipResult:
-    """What a clip's agreement returns: its check's verdict, the global norm, and whether some
-    rank held gradients the clip left out (a float32 scalar, a count of ranks)."""
+    """What a clip's agreement returns: its check's verdict, the global norm, whether some
+    rank held gradients the clip left out (a float32 scalar, a count of ranks), and whether
+    this rank clipped plain gradients without having scaled (a pipeline stage, whose replica
+    count the default group likely overstates)."""
 
     verdict: Verdict
     total_norm: torch.Tensor
     uncovered: torch.Tensor
+    plain_on_a_stage: bool = False
 
 
 class Agreement:
@@ -365,9 +368,6 @@ class Agreement:
             norms, plain, has_grads = self._walk.norm_groups(request.params, request.replicas)
             # a disabled scaler has no scale: the gradients' device (the CPU without any)
             device = next(iter(norms), (torch.device("cpu"),))[0] if scale is None else scale.device
-            if plain and scale is not None and not self.home.scaled_here and not self._warned:
-                world_size = self.exchange.world_size
-                self._warned = warn_plain_replicas_assumed(request.replicas, world_size)
             own = Check(has_grads=has_grads, param_ids=frozenset(map(id, request.params)))
             checks = [own, *waiting]
             has_scale = scale is None or not self.home.unconfirmed
@@ -389,7 +389,16 @@ class Agreement:
             found_inf = None if scale is None else verdicts[0].flags[Flag.SKIP]
             self.kernels.clip_(norms, request.max_norm, total, inv, found_inf)
         uncovered_anywhere = move(ballot.tensor[Layout.UNCOVERED], ballot.device)
-        return ClipResult(verdicts[0], move(total, ballot.device), uncovered_anywhere)
+        stage = plain and scale is not None and not self.home.scaled_here
+        return ClipResult(verdicts[0], move(total, ballot.device), uncovered_anywhere, stage)
+
+    def warn_replicas_assumed(self, result: ClipResult, replicas: int) -> None:
+        """This rank's own diagnostic for a clip (once): plain gradients on a rank that never
+        scaled, taken as replicated on every rank. Said once the clip is done, collective and
+        bookkeeping (where warnings are errors, this rank raises then, and goes on like its
+        peers)."""
+        if result.plain_on_a_stage and not self._warned:
+            self._warned = warn_plain_replicas_assumed(replicas, self.exchange.world_size)
 
     def _clip_check(
         self,
@@ -679,10 +688,10 @@ class Agreement:
             f"its state {cast(dict[str, str], them)['state']}"
             for rank, them in enumerate(ranks)
         )
-        raise ShardScaleMismatchError(
-            f"step {book.step}: the {world_size} ranks met in the scaler's collective with "
-            f"different calls or different scaler states (its identity differs), so their "
-            f"decisions would part: {named}. Every rank must make the same calls to the scaler "
+        raise ShardScaleMismatchError(  # the same words on every rank: no step of its own
+            f"the {world_size} ranks met in the scaler's collective with different calls or "
+            f"different scaler states (its identity differs), so their decisions would part: "
+            f"{named}. Every rank must make the same calls to the scaler "
             "in the same order, and load the same state (a checkpoint loaded on some ranks "
             "only, or a stale copy on one node, differs); nothing of this step was applied"
         )

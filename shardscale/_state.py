@@ -460,10 +460,11 @@ class ScaleHome:
     ([`confirm()`][confirm]). Every change to the state goes through this object.
 
     It also knows where the state came from, its *origin*: the state it was built with, or the
-    last one loaded that differed from the one it held. Ranks that ran the same steps from the
-    same origin hold the same state, so the origin (a hash, in every ballot's identity:
-    `shardscale._check`) is what tells a rank that loaded another state from its peers, at the
-    first collective after the load.
+    last one loaded that differed from the one it held, with the one it replaced. Ranks that
+    ran the same steps from the same origin hold the same state, so the origin (a hash, in every
+    ballot's identity: `shardscale._check`) is what tells a rank that loaded another state from
+    its peers, at the first collective after the load: a stale copy, a load on some ranks only,
+    or the state the others were built with, loaded by one rank later.
     """
 
     def __init__(self, host: ScalerState) -> None:
@@ -547,8 +548,9 @@ class ScaleHome:
     def load(self, state: ScalerState) -> None:
         """Take `state` (a loaded state dict), on the host and, if one holds it, the device: a
         new origin, unless it is the state held already (a load of it changes nothing)."""
-        if state != self.read():
-            self.origin = fingerprint(state)
+        held = self.read()
+        if state != held:
+            self.origin = zlib.crc32(repr((fingerprint(state), fingerprint(held))).encode())
             steps = state.counters.steps
             self.origin_note = (
                 f"loaded by load_state_dict() (scale {state.scale.scale:g}, {steps} steps)"

@@ -679,16 +679,17 @@ class Steps:
         request = ClipRequest(params, max_norm, norm_type, replicas, scaled, uncovered)
         scale = self.loss_scale("clip_grad_norm_", params)
         result = self.agreement.clip(self.book, scale, request, self.book.waiting())
+        if scaled and result.verdict.has_grads:
+            known = frozenset(self._known)
+            self.book.clipped = ClipRecord(ids, result.verdict, known, result.uncovered)
+        self._settle()  # the checks unscale_() left waiting were agreed too
         if not result.verdict.has_grads:
             raise RuntimeError(
                 "clip_grad_norm_() got parameters none of which has a gradient on any of the "
                 f"{self.agreement.exchange.world_size} rank(s): call "
                 "scaler.scale(loss).backward() first"
             )
-        if scaled:
-            known = frozenset(self._known)
-            self.book.clipped = ClipRecord(ids, result.verdict, known, result.uncovered)
-        self._settle()
+        self.agreement.warn_replicas_assumed(result, replicas)  # last: this rank's own
         return result.total_norm
 
     def _left_out_here(self, clipped: frozenset[int]) -> bool:

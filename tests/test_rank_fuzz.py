@@ -2,22 +2,29 @@
 
 A scenario is a training loop's calls, the same on every rank (the scale policy, one optimizer
 or two, their flavour, a clip over some subset of the parameters, `unscale_` first or not,
-`scaler.step` or torch.amp's own step body, micro-batches), and what each rank holds and
-observes, drawn for each rank apart: which parameters hold a gradient at each step and what it
-holds (none; finite; an inf; a NaN), whether its shard of one parameter is empty (FSDP2's
-uneven dim-0 shards), which observers it attaches (a stats hook, the log at INFO, `stats`
-reads, torch's private reads), and whether its hook raises at some step.
+`scaler.step` or torch.amp's own step body, whether warnings are errors), and what each rank
+holds, observes, loads and lists, drawn for each rank apart: which parameters hold a gradient at
+each step and what it holds (none; finite; an inf; a NaN), whether its shard of one parameter
+is empty (FSDP2's uneven dim-0 shards), how many micro-batches it runs at each step (0: a
+pipeline stage that scales no loss there) and whether a loss of its is non-finite, the clip list
+it builds (the scenario's, or from its own gradients, as torch's `clip_grad_norm_` filters:
+MoE tokens reach other experts on each rank), a state it loads between steps (none; its current
+one; a stale one, from a step before), which observers it attaches (a stats hook, the log at
+INFO, `stats` reads, torch's private reads), and whether its hook raises at some step.
 
 Hypothesis draws the scenarios, in this process; both ranks then run all of them, on the CPU
-path and on the CUDA path through `shardscale.testing.cuda_path()`, with
-`TORCH_DISTRIBUTED_DEBUG=DETAIL` (torch checks before each collective that every rank issues
-the same one). The property, per scenario: both ranks issue the same collectives, in order,
-and warn and raise at the same calls (the same error), take the same step/skip decisions and
-hold the same scale; a parameter whose gradients were equal on both ranks ends equal; and
-nothing waits out a timeout (a rank that is left alone raises the scaler's distributed error,
-which then differs from its peer's).
+path and on the CUDA path through `shardscale.testing.cuda_path()`, with and without
+`TORCH_DISTRIBUTED_DEBUG=DETAIL` (with it torch checks before each collective that every rank
+issues the same one; without, a collective of another shape would abort gloo). The property,
+per scenario: both ranks issue the same collectives, in order, and warn and raise at the same
+calls (the same error: a rank that loaded another state is named on both, at the first
+collective after its load); take the same step/skip decisions and hold the same scale; a
+parameter whose gradients were equal on both ranks ends equal; and nothing waits out a timeout
+(a rank that is left alone raises the scaler's distributed error, which then differs from its
+peer's). A hook's own failure is the hook's: said to its rank alone, which goes on.
 
-CI runs `EXAMPLES` scenarios per path (`SHARDSCALE_RANK_FUZZ_EXAMPLES` sets another number).
+CI runs `EXAMPLES` scenarios per path and debug level (`SHARDSCALE_RANK_FUZZ_EXAMPLES` sets
+another number).
 """
 
 from __future__ import annotations
@@ -46,11 +53,15 @@ STEPS = 3
 NAMES = ("dense.weight", "dense.bias", "expert.weight", "shard", "control")
 HELD = ("none", "finite", "inf", "nan")
 OBSERVERS = ("hook", "log", "stats", "reads")
-_HOOK_FAILED = "the stats hook"  # the start of the warning for a hook that raised (its own)
+# The warnings that are a rank's own diagnostics (a hook of its that raised; plain gradients
+# clipped on a rank that scaled no loss), said once the call's collective is behind: that rank
+# alone is told, and goes on, where warnings are errors too.
+_HOOK_FAILED = "the stats hook"
+_ITS_OWN = (_HOOK_FAILED, "clip_grad_norm_ on a rank that never called scale()")
 
 
 def _rank_part() -> st.SearchStrategy[dict[str, Any]]:
-    """What one rank holds and observes."""
+    """What one rank holds, observes, loads and lists."""
     held = st.fixed_dictionaries({name: st.sampled_from(HELD) for name in NAMES[:-1]})
     return st.fixed_dictionaries(
         {
@@ -58,6 +69,13 @@ def _rank_part() -> st.SearchStrategy[dict[str, Any]]:
             "shard_rows": st.sampled_from((0, 2)),
             "observers": st.sets(st.sampled_from(OBSERVERS)).map(sorted),
             "hook_raises_at": st.sampled_from((None, 1, 2)),
+            "micro_batches": st.lists(
+                st.sampled_from((1, 1, 2, 0, 3)), min_size=STEPS, max_size=STEPS
+            ),
+            "nonfinite_loss_at": st.sampled_from((None, None, 1, 2, 3)),
+            "clip_list": st.sampled_from(("given", "own gradients")),
+            "load": st.sampled_from(("none", "none", "current", "stale")),
+            "load_at": st.sampled_from((2, 3)),
         }
     )
 
@@ -71,7 +89,7 @@ SCENARIOS = st.fixed_dictionaries(
         "norm_type": st.sampled_from((2.0, math.inf)),
         "unscale_first": st.booleans(),
         "body": st.sampled_from(("step", "torch")),
-        "micro_batches": st.sampled_from((1, 2)),
+        "warnings": st.sampled_from(("recorded", "errors")),
         "ranks": st.lists(_rank_part(), min_size=2, max_size=2),
     }
 )
@@ -140,16 +158,27 @@ class _Run:
         )
         self.events: list[tuple[Any, ...]] = []  # (step, call, what) warnings and the error
         self.decisions: list[tuple[bool | None, float]] = []
+        self.saved = [self.scaler.state_dict()]  # the states after each update (a stale one)
 
     def call(self, step: int, name: str, function: Any, *args: Any) -> Any:
-        """Run one of the loop's calls, recording the scaler's warnings it gave (a hook's own
-        failure is the hook's, not the scaler's: left out)."""
+        """Run one of the loop's calls, recording the scaler's warnings it gave, or (warnings
+        as errors) raising them; a hook's own failure is the hook's, not the scaler's: left
+        out, and where it raises (at the end of `update()`) this rank goes on."""
+        errors = self.scenario["warnings"] == "errors"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            result = function(*args)
+            if errors:
+                warnings.simplefilter("error", ShardScaleWarning)
+            try:
+                result = function(*args)
+            except ShardScaleWarning as warning:
+                if not any(own in str(warning) for own in _ITS_OWN):
+                    raise
+                result = None
         for warning in caught:
             text = str(warning.message)
-            if issubclass(warning.category, ShardScaleWarning) and _HOOK_FAILED not in text:
+            ours = issubclass(warning.category, ShardScaleWarning)
+            if ours and not any(own in text for own in _ITS_OWN):
                 self.events.append((step, name, "warns", text[:80]))
         return result
 
@@ -168,16 +197,21 @@ class _Run:
                 scaler.get_scale()
 
     def step(self, step: int) -> None:
-        scenario, model, scaler = self.scenario, self.model, self.scaler
+        scenario, model, scaler, mine = self.scenario, self.model, self.scaler, self.mine
+        if mine["load"] != "none" and step == mine["load_at"]:  # between iterations
+            state = self.saved[-1] if mine["load"] == "current" else self.saved[0]
+            self.call(step, "load_state_dict", scaler.load_state_dict, state)
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        for micro in range(scenario["micro_batches"]):
+        for micro in range(mine["micro_batches"][step - 1]):
             inputs = torch.full((3,), 2.0 ** (step + micro))
+            if mine["nonfinite_loss_at"] == step:
+                inputs[0] = math.inf
             loss = (model.control * inputs).sum()
             self.call(step, "scale", lambda loss=loss: scaler.scale(loss).backward())
-        scale = float(scaler._scale.item())  # type: ignore[union-attr]
+        scale = scaler.get_scale()  # a rank that never scaled: the one it would have
         params = dict(model.named_parameters())
-        for name, kind in self.mine["held"][step - 1].items():
+        for name, kind in mine["held"][step - 1].items():
             if kind != "none":
                 params[name].grad = _scaled_gradient(kind, params[name].shape, scale)
         if scenario["unscale_first"]:
@@ -186,11 +220,14 @@ class _Run:
             self.observe("after unscale")
         if scenario["clip"] is not None:
             clipped = [params[name] for name in scenario["clip"]]
+            if mine["clip_list"] == "own gradients":  # as torch's clip_grad_norm_ filters
+                clipped = [param for param in clipped if param.grad is not None]
             clip = scaler.clip_grad_norm_
             self.call(step, "clip_grad_norm_", clip, clipped, 1.0, scenario["norm_type"])
         for optimizer in self.optimizers:
             self.call(step, "step", self._step_body, optimizer)
         self.call(step, "update", scaler.update)
+        self.saved.append(scaler.state_dict())
         self.observe("after update")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -243,7 +280,8 @@ def _equal_grads(scenario: dict[str, Any]) -> list[str]:
     """The parameters whose gradients were equal on both ranks at every step: the control's
     (its own loss), and any other that held the same finite gradient on both."""
     first, second = scenario["ranks"]
-    same = ["control"]
+    backwards = ("micro_batches", "nonfinite_loss_at")
+    same = ["control"] if all(first[key] == second[key] for key in backwards) else []
     for name in ("dense.weight", "dense.bias", "expert.weight"):
         pairs = zip(first["held"], second["held"], strict=True)
         if all(a[name] == b[name] == "finite" for a, b in pairs):
@@ -267,11 +305,13 @@ def _rank_scenarios(rank: int, world_size: int, scenarios: list[Any], path: str)
     return results
 
 
+@pytest.mark.parametrize("debug", ["DETAIL", "off"])
 @pytest.mark.parametrize("path", ["cpu", "cuda"])
-def test_rank_fuzz_what_ranks_hold_and_observe_never_splits_them(path: str) -> None:
+def test_rank_fuzz_what_ranks_hold_and_observe_never_splits_them(path: str, debug: str) -> None:
     scenarios = draw_scenarios(EXAMPLES)
     timeout = 60 + 3 * len(scenarios)
-    rank0, rank1 = run_ranks(_rank_scenarios, 2, scenarios, path, timeout_s=timeout, env=DETAIL)
+    env = DETAIL if debug == "DETAIL" else {"TORCH_DISTRIBUTED_DEBUG": "OFF"}
+    rank0, rank1 = run_ranks(_rank_scenarios, 2, scenarios, path, timeout_s=timeout, env=env)
     raised = 0
     for scenario, mine, theirs in zip(scenarios, rank0, rank1, strict=False):
         assert mine["collectives"] == theirs["collectives"], scenario

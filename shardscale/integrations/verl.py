@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardscale._errors import ShardScaleWarning
+from shardscale._errors import ShardScaleDistributedError, ShardScaleWarning
 from shardscale.scaler import ShardedGradScaler
 
 __all__ = ["SCALER_FILE", "install", "use_shardscale", "use_shardscale_megatron"]
@@ -298,12 +298,15 @@ def _loading(
     load: Callable[..., None], scaler: Callable[[], ShardedGradScaler | None]
 ) -> Callable[..., None]:
     """`load`, and the scaler's state from the same folder (read first: verl may delete
-    local copies of remote checkpoints after loading them)."""
+    local copies of remote checkpoints after loading them), agreed: rank 0 alone wrote it, and
+    on node-local checkpoint folders (verl's FSDP shards are per rank) only its node has it,
+    so every rank takes what the ranks that found the file read ([`_agreed_state`][])."""
 
     @functools.wraps(load)
     def load_checkpoint(local_path: str | None, *args: Any, **kwargs: Any) -> None:
         path = None if local_path is None else os.path.join(local_path, SCALER_FILE)
         state = torch.load(path, weights_only=True) if path and os.path.exists(path) else None
+        state = _agreed_state(state)
         load(local_path, *args, **kwargs)
         current = scaler()
         if not isinstance(current, ShardedGradScaler) or local_path is None:
@@ -317,6 +320,29 @@ def _loading(
             )
             return
         current.load_state_dict(state)
-        current.verify_agreement()  # every rank read the same file, or we stop here
+        current.verify_agreement()  # every rank loaded the same state, or we stop here
 
     return load_checkpoint
+
+
+def _agreed_state(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The scaler's state every rank loads: what the ranks that found the file read (one
+    all_gather of each rank's, None where it found none), so that a rank on a node without the
+    file takes it too, and no rank waits for one that warned and went on.
+
+    Raises:
+        ShardScaleDistributedError: ranks that found a file read different states.
+    """
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return state
+    read: list[dict[str, Any] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(read, state)
+    found = [(rank, them) for rank, them in enumerate(read) if them is not None]
+    differing = [rank for rank, them in found if them != found[0][1]]
+    if differing:
+        raise ShardScaleDistributedError(
+            f"the {SCALER_FILE} files the ranks read from their checkpoint folders differ: rank "
+            f"{found[0][0]} read {found[0][1]}, rank(s) {differing} another (a stale copy on "
+            "some node?); load the same checkpoint on every rank"
+        )
+    return found[0][1] if found else None
