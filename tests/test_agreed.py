@@ -10,7 +10,9 @@ without DETAIL a collective of another shape would abort gloo (SIGABRT) on one r
 from __future__ import annotations
 
 import math
+import re
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +26,8 @@ from shardscale.testing import cuda_path
 from tests.harness import run_ranks
 
 OFF = {"TORCH_DISTRIBUTED_DEBUG": "OFF"}
+ERRORS = (Path(__file__).resolve().parent.parent / "docs" / "errors.md").read_text()
+_QUOTED = "ShardScaleMismatchError: the 2 ranks met"
 
 
 def _model() -> tuple[nn.Linear, torch.optim.Optimizer]:
@@ -81,6 +85,11 @@ def test_ranks_whose_calls_differ_raise_the_same_error_at_the_same_collective(pa
     assert "rank 0: clip_grad_norm_()" in rank0["raised"]
     assert "rank 1: step()" in rank0["raised"]
     assert rank0["scale"] == rank1["scale"]  # nothing of that step was applied
+    # docs/errors.md quotes this very case
+    quote = next(q for q in re.findall(r"`([^`]+)`", ERRORS) if q.startswith(_QUOTED))
+    said, position = f"ShardScaleMismatchError: {rank0['raised']}", 0
+    for piece in (p.strip() for p in quote.split("...")):
+        position = said.index(piece, position) + len(piece)
 
 
 def _rank_settings_differ(rank: int, world_size: int) -> dict[str, Any]:

@@ -106,6 +106,17 @@ def _step_before_scale() -> None:
     ShardedGradScaler().step(torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def _load_mid_iteration() -> None:
+    scaler, _ = _scaled()
+    scaler.load_state_dict(scaler.state_dict())
+
+
+def _clip_without_gradients() -> None:
+    scaler = ShardedGradScaler()
+    scaler.scale(torch.ones((), requires_grad=True))
+    scaler.clip_grad_norm_(nn.Linear(2, 1).parameters(), 1.0)
+
+
 # The quote's start (its row's error text) -> a call that raises it.
 TRIGGERS: dict[str, Callable[[], object]] = {
     "device must name": lambda: ShardedGradScaler("gpu"),
@@ -145,6 +156,9 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     ),
     "TypeError: state_dict['scale'] must be a float": _load(scale="8"),
     "RuntimeError: Attempted clip_grad_norm_": _clip_before_scale,
+    "RuntimeError: clip_grad_norm_() got parameters none": _clip_without_gradients,
+    "RuntimeError: A GradScaler state may only be loaded": _load_mid_iteration,
+    "ValueError: _growth_tracker must be in": _load(_growth_tracker=-1),
     "ShardScaleSkipError: step 3": _skip_limit,
     "ValueError: AsyncShardedGradScaler does not take verify_every": lambda: AsyncShardedGradScaler(
         verify_every=1
