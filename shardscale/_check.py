@@ -23,7 +23,8 @@ differ meet in a collective of one shape and find out ([`Layout`][]):
 
 ```text
 [has a scale, identity bits x 32, units x 8 [has gradients, skip, forward overflow],
- norm share, uncovered gradients, inf-norm shares x W, fit peaks x W, meter bins x 128]
+ norm share, uncovered gradients, clip list bits x 16, inf-norm shares x W, fit peaks x W,
+ meter bins x 128]
 ```
 
 * has a scale: 0 for a rank that never called `scale()` (a pipeline stage before the last),
@@ -42,7 +43,9 @@ differ meet in a collective of one shape and find out ([`Layout`][]):
 * norm share: this rank's part of a global p-norm (`clip_grad_norm_`), an inf-norm's share in
   this rank's own slot among W (its reduction is a max, taken after the SUM);
 * uncovered gradients: 1 where a clip left out gradients this rank holds for an optimizer it
-  stepped before (`shardscale._stepping`'s rule for the steps after a clip);
+  stepped before; clip list bits: a 16-bit signature of the clip list (its length), which reads
+  0 or W in every slot where every rank passed a list alike (`shardscale._stepping`'s rule for
+  the steps after a clip reads them, where a rank's list left parameters out);
 * the fit's peaks (one slot per rank: the largest survives the SUM) and the meter's 128 counts
   (`shardscale._bins` makes and reads them; the ballot only carries them).
 
@@ -92,8 +95,8 @@ from shardscale._state import Flag, ScaleHome, Verdict
 # Checks one ballot carries at most: the call's own and those `unscale_()` left waiting (an
 # `unscale_()` that would leave more waiting agrees at once: `shardscale._stepping`).
 MAX_CHECKS = 8
-# Bits of the identity hash (module docstring).
-IDENTITY_BITS = 32
+# Bits of the identity hash, and of a clip list's signature (module docstring).
+IDENTITY_BITS, LIST_BITS = 32, 16
 # A check's slots, in its unit.
 Unit = IntEnum("Unit", "HAS SKIP FORWARD", start=0)
 
@@ -109,10 +112,12 @@ class Layout:
     UNITS = slice(IDENTITY.stop, IDENTITY.stop + len(Unit) * MAX_CHECKS)
     NORM = UNITS.stop
     UNCOVERED = NORM + 1
+    LISTED = slice(UNCOVERED + 1, UNCOVERED + 1 + LIST_BITS)
+    COVERAGE = slice(UNCOVERED, LISTED.stop)  # what the steps after a clip read of it
 
     @property
     def inf_norms(self) -> slice:
-        return slice(self.UNCOVERED + 1, self.UNCOVERED + 1 + self.world_size)
+        return slice(self.LISTED.stop, self.LISTED.stop + self.world_size)
 
     @property
     def peaks(self) -> slice:
@@ -252,17 +257,25 @@ class ClipRequest:
     scaled: bool = True
     uncovered: bool = False
 
+    @property
+    def listed(self) -> int:
+        """A 16-bit signature of the list: its length (not its shapes: FSDP1's original
+        parameters are views that differ per rank), the same on every rank that passes the same
+        list, and different where lists built from each rank's own gradients differ."""
+        return len(self.params) & ((1 << LIST_BITS) - 1)
+
 
 @dataclass(frozen=True, slots=True)
 class ClipResult:
-    """What a clip's agreement returns: its check's verdict, the global norm, whether some
-    rank held gradients the clip left out (a float32 scalar, a count of ranks), and whether
-    this rank clipped plain gradients without having scaled (a pipeline stage, whose replica
-    count the default group likely overstates)."""
+    """What a clip's agreement returns: its check's verdict, the global norm, the reduced
+    coverage slots (the count of ranks that held gradients the clip left out, then the clip
+    list's bits: `Layout.COVERAGE`), and whether this rank clipped plain gradients without
+    having scaled (a pipeline stage, whose replica count the default group likely
+    overstates)."""
 
     verdict: Verdict
     total_norm: torch.Tensor
-    uncovered: torch.Tensor
+    coverage: torch.Tensor
     plain_on_a_stage: bool = False
 
 
@@ -371,8 +384,9 @@ class Agreement:
             own = Check(has_grads=has_grads, param_ids=frozenset(map(id, request.params)))
             checks = [own, *waiting]
             has_scale = scale is None or not self.home.unconfirmed
-            uncovered = request.uncovered
-            ballot = self._ballot(book, device, "clip_grad_norm_", checks, has_scale, uncovered)
+            several = self.exchange.world_size > 1  # at 1 the signature tells nothing
+            clip = (request.uncovered, request.listed if several else 0)
+            ballot = self._ballot(book, device, "clip_grad_norm_", checks, has_scale, clip)
             counting = scale is not None and self._counting(book, device)
             inv = self._clip_check(book, ballot, own, norms, request, scale, counting)
             merged = [
@@ -388,9 +402,9 @@ class Agreement:
             total = self._total_norm(ballot, norm_type)
             found_inf = None if scale is None else verdicts[0].flags[Flag.SKIP]
             self.kernels.clip_(norms, request.max_norm, total, inv, found_inf)
-        uncovered_anywhere = move(ballot.tensor[Layout.UNCOVERED], ballot.device)
+        coverage = move(ballot.tensor[Layout.COVERAGE], ballot.device)
         stage = plain and scale is not None and not self.home.scaled_here
-        return ClipResult(verdicts[0], move(total, ballot.device), uncovered_anywhere, stage)
+        return ClipResult(verdicts[0], move(total, ballot.device), coverage, stage)
 
     def warn_replicas_assumed(self, result: ClipResult, replicas: int) -> None:
         """This rank's own diagnostic for a clip (once): plain gradients on a rank that never
@@ -498,7 +512,7 @@ class Agreement:
         caller: str,
         checks: Sequence[Check],
         has_scale: bool,
-        uncovered: bool = False,
+        clip: tuple[bool, int] = (False, 0),
     ) -> Ballot:
         """This rank's fresh ballot for `checks` (the call's own first, then those waiting), on
         the communication device for `device`, in one kernel (module docstring). Its
@@ -510,7 +524,7 @@ class Agreement:
         identity = self.identity(book, caller, len(checks))
         layout = Layout(self.exchange.world_size)
         has = tuple(check.has_grads for check in checks)
-        templates = self._templates_for(device, layout, identity, has, (has_scale, uncovered))
+        templates = self._templates_for(device, layout, identity, has, (has_scale, *clip))
         loss_nonfinite = book.loss_nonfinite
         if loss_nonfinite is None:
             votes = templates[0].clone()
@@ -535,25 +549,23 @@ class Agreement:
         layout: Layout,
         identity: int,
         has: tuple[bool, ...],
-        scaled_uncovered: tuple[bool, bool],
+        scaled_clip: tuple[bool, bool, int],
     ) -> torch.Tensor:
         """A ballot's two rows (the second a non-finite loss's), on the communication device for
-        `device`: made once per identity, gradients held, has-a-scale and uncovered-gradients
-        slots (`scaled_uncovered`) and device by this agreement, and dying with it; by kernels
+        `device`: made once per identity, gradients held, has-a-scale, uncovered-gradients and
+        clip list slots (`scaled_clip`) and device by this agreement, and dying with it; by kernels
         alone, no copy from the host, so that one first made while a CUDA graph captures the
         step (a meter or clip step's shape) is legal there."""
-        has_scale, uncovered = scaled_uncovered
-        key = (device, identity, has, scaled_uncovered)
+        has_scale, uncovered, listed = scaled_clip
+        key = (device, identity, has, scaled_clip)
         templates = self._templates.get(key)
         if templates is None:
             comm = self.exchange.comm_device(device)
             templates = torch.zeros((2, layout.size), dtype=torch.float32, device=comm)
             templates[:, Layout.SCALED].fill_(float(has_scale))
             templates[:, Layout.UNCOVERED].fill_(float(uncovered))
-            bits = templates[:, Layout.IDENTITY]
-            for bit in range(IDENTITY_BITS):
-                if identity >> bit & 1:
-                    bits[:, bit].fill_(1.0)
+            _fill_bits(templates[:, Layout.LISTED], listed)
+            _fill_bits(templates[:, Layout.IDENTITY], identity)
             units = templates[:, Layout.UNITS].view(2, MAX_CHECKS, len(Unit))
             for unit, held in enumerate(has):
                 units[:, unit, Unit.HAS].fill_(float(held))
@@ -737,3 +749,10 @@ def _waiting_flags(check: Check) -> list[torch.Tensor]:
 def _overlaps(check: Check, clip: Check) -> bool:
     """Whether `check` (a waiting `unscale_()`'s) holds some of the clip's parameters."""
     return not check.param_ids.isdisjoint(clip.param_ids)
+
+
+def _fill_bits(slots: torch.Tensor, value: int) -> None:
+    """Set each of `slots`' columns (rows: the template's two) to a bit of `value`."""
+    for bit in range(slots.shape[-1]):
+        if value >> bit & 1:
+            slots[:, bit].fill_(1.0)

@@ -77,23 +77,35 @@ class ClipRecord:
 
     Attributes:
         known: The leaf optimizers (ids) stepped before the clip: a step after it takes its
-            verdict without a collective of its own only for those (`IterationBook.begin_step`).
-        uncovered: How many ranks held gradients the clip left out, of those optimizers (float32
-            scalar); `uncovered_anywhere()` reads it, where a rank needs it.
+            verdict by what the clip's collective said of them (`IterationBook._adopt_clip`).
+        coverage: The clip's reduced coverage slots (`shardscale._check.Layout.COVERAGE`): how
+            many ranks held gradients it left out, of those optimizers; then its list's bits.
+        world_size: The group's size, by which the list's bits are read.
     """
 
     param_ids: frozenset[int]
     verdict: Verdict
     known: frozenset[int] = frozenset()
-    uncovered: torch.Tensor | None = None
-    _uncovered_read: bool | None = None
+    coverage: torch.Tensor | None = None
+    world_size: int = 1
+    _read: list[float] | None = None
 
     def uncovered_anywhere(self) -> bool:
-        """Whether some rank held gradients the clip left out (one host read, the first time)."""
-        if self._uncovered_read is None:
-            held = self.uncovered is not None and bool(self.uncovered.item())
-            self._uncovered_read = held
-        return self._uncovered_read
+        """Whether some rank held gradients the clip left out, of optimizers stepped before it
+        (one host read, the first time: shared with `lists_alike`)."""
+        return bool(self._coverage()[0])
+
+    def lists_alike(self) -> bool:
+        """Whether every rank passed a list of the same length (every bit slot 0 or W;
+        always, at world size 1, where nothing is read)."""
+        if self.world_size == 1:
+            return True
+        return all(bit in (0.0, self.world_size) for bit in self._coverage()[1:])
+
+    def _coverage(self) -> list[float]:
+        if self._read is None:
+            self._read = [] if self.coverage is None else self.coverage.tolist()
+        return self._read or [0.0]
 
 
 def optimizer_params(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
@@ -285,20 +297,26 @@ class IterationBook:
         be checked at its own agreement.
 
         Decided alike on every rank, never by which parameters this rank alone holds a gradient
-        for: an optimizer stepped before the clip takes its verdict if the clip listed all its
-        parameters here (the same list on every rank), or if no rank held a gradient it left
-        out (the clip agreed on that: read where this rank's list left some out); one stepped
-        for the first time is checked at its own agreement, on every rank.
+        for, from what the clip's collective said (read where needed, once: one host read). For
+        an optimizer stepped before the clip: a rank whose list covered its parameters takes the
+        verdict; one holding a gradient its list left out checks the rest; one whose list left
+        out only parameters without a gradient here checks the rest where any rank held a
+        gradient the clip left out (lists built by the same code on every rank decide alike).
+        For one stepped for the first time, whose parameters the clip could not know: where
+        every rank passed a list alike (of one length: the same code's fixed list), it left the
+        same parameters out everywhere, and those are checked; where the lists differ (built
+        per rank from their own gradients), every rank checks the rest, at a collective of its
+        own (that first step only).
         """
         if record.stage is not Stage.READY or record.clipped is not None:
             return False
         params = list(optimizer_params((record.optimizer,)))
         left_out = [param for param in params if id(param) not in clipped.param_ids]
-        uncovered_here = _any_grad(left_out)
-        known = id(record.optimizer) in clipped.known
-        if known and left_out and not uncovered_here:
-            known = not clipped.uncovered_anywhere()  # read only here: lists that differ
-        if not known or uncovered_here:
+        if id(record.optimizer) in clipped.known:
+            checks_rest = bool(left_out) and (_any_grad(left_out) or clipped.uncovered_anywhere())
+        else:
+            checks_rest = bool(left_out) or not clipped.lists_alike()
+        if checks_rest:
             if len(left_out) < len(params):
                 record.clipped = clipped
             return False
@@ -680,8 +698,9 @@ class Steps:
         scale = self.loss_scale("clip_grad_norm_", params)
         result = self.agreement.clip(self.book, scale, request, self.book.waiting())
         if scaled and result.verdict.has_grads:
-            known = frozenset(self._known)
-            self.book.clipped = ClipRecord(ids, result.verdict, known, result.uncovered)
+            known, world_size = frozenset(self._known), self.agreement.exchange.world_size
+            clipped = ClipRecord(ids, result.verdict, known, result.coverage, world_size)
+            self.book.clipped = clipped
         self._settle()  # the checks unscale_() left waiting were agreed too
         if not result.verdict.has_grads:
             raise RuntimeError(
