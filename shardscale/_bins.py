@@ -36,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 
 from shardscale._errors import ShardScaleWarning
 from shardscale._grads import GradGroups, GradWalk, NormGroups, move
+from shardscale._policy import FIT_MAX_MARGIN, FIT_MAX_STREAK, ScalePolicy
 from shardscale._torch import foreach_norm, local_tensor
 
 # The bins: how many, and the power of two that bounds slot 0 from above (module docstring).
@@ -342,3 +343,50 @@ def _leaves_by_precision(root: Any) -> tuple[list[torch.Tensor], list[torch.Tens
     fp16 = [n.variable for n, f in formed.items() if f != "fp32" or n.variable.dtype == torch.half]
     fp32 = [n.variable for n, f in formed.items() if f == "fp32" and n.variable.dtype != torch.half]
     return fp16, fp32, sum(f == _OPAQUE for f in formed.values())
+
+
+def fit_(
+    policy: ScalePolicy,
+    scale: torch.Tensor,
+    hysteresis_tracker: torch.Tensor,
+    fit: torch.Tensor,
+    flags: torch.Tensor,
+    seen: torch.Tensor,
+) -> None:
+    """Apply `policy`'s fit ([`next()`][shardscale.ScalePolicy.next] under the fit) in place,
+    on the device, without a host sync: the fit's own maths, beside its reading.
+
+    Args:
+        scale: float32 scalar tensor.
+        hysteresis_tracker: int32 scalar tensor on the same device.
+        fit: float32 `[margin, streak, window...]`: the fit's fields of
+            [`ScaleState`][shardscale.ScaleState].
+        flags: the agreed float32 `[skip, forward overflow]`, each 0.0 or 1.0.
+        seen: float32 scalar, the step's largest unscaled gradient bound (0 where none;
+            anything, inf included, on an overflow step, where it is not read).
+    """
+    margin, streak, window = fit[0], fit[1], fit[2:]
+    overflow, moves = flags[0] - flags[1], flags[1] == 0  # a gradient overflow; not forward
+    clean = flags[0] == 0
+    shifted = torch.cat((torch.where(clean, seen, 0.0).reshape(1), window[:-1]))
+    widest = shifted.amax()
+    fitted = torch.exp2(16.0 - margin).div_(widest).clamp_(policy.min_scale, policy.max_scale)
+    if math.frexp(policy.backoff_factor)[0] == 0.5:  # a power of two: float32 is exact
+        backed = scale * torch.pow(policy.backoff_factor, torch.exp2(streak))
+    else:  # each product in float64, rounded once, as the reference takes it
+        jump = torch.pow(policy.backoff_factor, torch.exp2(streak.double()))
+        backed = (scale.double() * jump).float()
+    backed.clamp_(min=policy.min_scale)
+    if policy.hysteresis > 1:  # else nothing is tolerated, and the tracker stays at 1
+        tolerated = (overflow > 0) & (hysteresis_tracker > 1)
+        backed = torch.where(tolerated, scale, backed)
+        new_tracker = torch.where(clean, policy.hysteresis, hysteresis_tracker - tolerated.int())
+        torch.where(moves, new_tracker, hysteresis_tracker, out=hysteresis_tracker)
+    kept = torch.where(clean & (widest > 0), fitted, scale)
+    moved = torch.where(overflow > 0, backed, kept)
+    torch.where(moves, moved, scale, out=scale)
+    learned = window.amax() > 0  # the window said this scale was safe
+    widened = (margin + overflow * learned).clamp_(max=FIT_MAX_MARGIN)
+    streaked = (streak + 1).clamp_(max=FIT_MAX_STREAK) * overflow
+    new_fit = torch.cat((widened.reshape(1), streaked.reshape(1), shifted))
+    torch.where(moves, new_fit, fit, out=fit)

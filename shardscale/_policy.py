@@ -1,10 +1,11 @@
 """The dynamic loss-scale policy: how the scale moves after each step.
 
-The policy needs no process group: it maps (state, found_inf) to the next state, once as plain
-Python ([`ScalePolicy.next()`][ScalePolicy.next], the definition, used as the reference in tests)
-and once as device-side tensor maths ([`ScalePolicy.update_()`][ScalePolicy.update_], used by the
-scaler: no host sync, no collective). Because every rank feeds it the same agreed flags, every
-rank computes the same next scale.
+The policy needs no process group: it maps (state, found_inf) to the next state. Here it is
+defined, as plain Python ([`ScalePolicy.next()`][ScalePolicy.next], the reference the tests hold
+the device maths to), with its settings and their rules; the scaler moves its device state by
+it as tensor maths, no host sync, no collective: the interval rule where that state lives
+(`shardscale._state.move_scale_`), the fit beside its reading (`shardscale._bins.fit_`). Because
+every rank feeds it the same agreed flags, every rank computes the same next scale.
 
 The interval rule, `scale_policy="interval"` (the default), per `update()`: Megatron-core's
 `DynamicGradScaler` (plus torch's guard against growing to inf, and a ceiling), and torch's when
@@ -88,8 +89,6 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from shardscale._torch import update_scale_
-
 
 def _f32(value: float) -> float:
     """Round a Python float to float32, as the device's scale tensor does."""
@@ -136,7 +135,7 @@ FIT_MAX_MARGIN = 8
 FIT_MAX_STREAK = 4
 # A forward overflow holds the growth tracker this far below zero while torch's update kernel
 # counts a clean step, where one more cannot reach the interval (a tracker is < 2**30).
-_HOLD = 2**30
+HOLD = 2**30
 
 
 # `scale_policy`'s values: torch's growth after an interval, or the scale that fits.
@@ -255,7 +254,7 @@ class ScalePolicy:
     def check_state(self, state: ScaleState) -> None:
         """Raise ValueError unless `state` is reachable under this policy."""
         self.check_scale("scale", state.scale)
-        if not 0 <= state.growth_tracker < _HOLD:  # at or past the interval: no growth, as torch
+        if not 0 <= state.growth_tracker < HOLD:  # at or past the interval: no growth, as torch
             raise ValueError(
                 f"_growth_tracker must be in [0, 2**30), got {state.growth_tracker} (at or past "
                 "growth_interval it counts on without growing until an overflow, as torch's)"
@@ -295,7 +294,8 @@ class ScalePolicy:
         seen: float = 0.0,
     ) -> ScaleState:
         """Return the state after one step; the definition of both rules (see the module), the
-        reference the device maths ([`update_()`][update_]) is tested against.
+        reference the device maths (`shardscale._state.move_scale_`,
+        `shardscale._bins.fit_`) is tested against.
 
         Args:
             found_inf: the gradients overflowed on some rank.
@@ -353,113 +353,3 @@ class ScalePolicy:
             window=window,
             streak=streak,
         )
-
-    def update_(
-        self,
-        scale: torch.Tensor,
-        growth_tracker: torch.Tensor,
-        hysteresis_tracker: torch.Tensor,
-        found_inf: torch.Tensor,
-        forward: torch.Tensor | None = None,
-        *,
-        clean: bool = False,
-        past_interval: bool = False,
-    ) -> None:
-        """Apply [`next()`][next] in place to the device tensors, without a host sync.
-
-        Args:
-            scale: float32 scalar tensor.
-            growth_tracker: int32 scalar tensor on the same device.
-            hysteresis_tracker: int32 scalar tensor on the same device.
-            found_inf: float32 scalar, 1.0 when the gradients overflowed on some rank and no
-                rank's loss was non-finite (the caller takes the forward overflows out).
-            forward: float32 scalar, 1.0 on a forward overflow; None where the caller knows
-                there was none. Two kernels hold the state then: torch's kernel counts a
-                clean step (`found_inf` is 0), so the growth tracker is first set back by
-                one, and the scale cannot grow, where the tracker is below the interval.
-            clean: the host knows that `found_inf` is 0: the scale can only grow, so without
-                a finite `max_scale` no clamp is needed (torch's kernel never grows it to inf).
-            past_interval: the tracker may be at or past the interval (`growth_interval` was
-                lowered below it, or a state loaded with it there): a forward overflow then
-                sets it far below zero instead (`_HOLD`, where counting one cannot reach the
-                interval) and back after, one kernel more.
-        """
-        if not self.dynamic:
-            return
-        held = None if forward is None else forward.to(torch.int32)
-        if held is not None:
-            growth_tracker.sub_(held, alpha=_HOLD if past_interval else 1)
-        # torch's own update kernel (back off, or grow after the interval), then the floor and
-        # ceiling, which it does not know (none needed for a growth without a ceiling: `clean`).
-        # With hysteresis around it: an overflow still tolerated keeps the old scale (the kernel
-        # already zeroed the growth tracker, as the policy does); a growth (the tracker wrapped
-        # to 0 on a clean step) replenishes the allowance, and a forward overflow does not.
-        tolerated = (found_inf > 0) & (hysteresis_tracker > 1) if self.hysteresis > 1 else None
-        kept = None if tolerated is None else scale.clone()
-        factors = (self.growth_factor, self.backoff_factor, self.growth_interval)
-        update_scale_(scale, growth_tracker, found_inf, *factors)
-        if held is not None and past_interval:
-            growth_tracker.add_(held, alpha=_HOLD - 1)
-        if not (clean and math.isinf(self.max_scale)):
-            scale.clamp_(min=self.min_scale, max=self.max_scale)
-        if tolerated is None or kept is None:
-            return
-        torch.where(tolerated, kept, scale, out=scale)
-        grew = (growth_tracker == 0) & (found_inf == 0)
-        if forward is not None:
-            grew &= forward == 0
-        replenished = torch.where(grew, self.hysteresis, hysteresis_tracker)
-        torch.where(tolerated, hysteresis_tracker - 1, replenished, out=hysteresis_tracker)
-
-    def fit_(
-        self,
-        scale: torch.Tensor,
-        hysteresis_tracker: torch.Tensor,
-        fit: torch.Tensor,
-        flags: torch.Tensor,
-        seen: torch.Tensor,
-    ) -> None:
-        """Apply the fit's [`next()`][next] in place, on the device, without a host sync.
-
-        Args:
-            scale: float32 scalar tensor.
-            hysteresis_tracker: int32 scalar tensor on the same device.
-            fit: float32 `[margin, streak, window...]`: the fit's fields of
-                [`ScaleState`][shardscale.ScaleState].
-            flags: the agreed float32 `[skip, forward overflow]`, each 0.0 or 1.0.
-            seen: float32 scalar, the step's largest unscaled gradient bound (0 where none;
-                anything, inf included, on an overflow step, where it is not read).
-        """
-        margin, streak, window = fit[0], fit[1], fit[2:]
-        overflow, moves = flags[0] - flags[1], flags[1] == 0  # a gradient overflow; not forward
-        clean = flags[0] == 0
-        shifted = torch.cat((torch.where(clean, seen, 0.0).reshape(1), window[:-1]))
-        widest = shifted.amax()
-        fitted = torch.exp2(16.0 - margin).div_(widest).clamp_(self.min_scale, self.max_scale)
-        if math.frexp(self.backoff_factor)[0] == 0.5:  # a power of two: float32 is exact
-            backed = scale * torch.pow(self.backoff_factor, torch.exp2(streak))
-        else:  # each product in float64, rounded once, as the reference takes it
-            jump = torch.pow(self.backoff_factor, torch.exp2(streak.double()))
-            backed = (scale.double() * jump).float()
-        backed.clamp_(min=self.min_scale)
-        if self.hysteresis > 1:  # else nothing is tolerated, and the tracker stays at 1
-            tolerated = (overflow > 0) & (hysteresis_tracker > 1)
-            backed = torch.where(tolerated, scale, backed)
-            new_tracker = torch.where(clean, self.hysteresis, hysteresis_tracker - tolerated.int())
-            torch.where(moves, new_tracker, hysteresis_tracker, out=hysteresis_tracker)
-        kept = torch.where(clean & (widest > 0), fitted, scale)
-        moved = torch.where(overflow > 0, backed, kept)
-        torch.where(moves, moved, scale, out=scale)
-        learned = window.amax() > 0  # the window said this scale was safe
-        widened = (margin + overflow * learned).clamp_(max=FIT_MAX_MARGIN)
-        streaked = (streak + 1).clamp_(max=FIT_MAX_STREAK) * overflow
-        new_fit = torch.cat((widened.reshape(1), streaked.reshape(1), shifted))
-        torch.where(moves, new_fit, fit, out=fit)
-
-    def backoff_(self, scale: torch.Tensor, growth_tracker: torch.Tensor) -> None:
-        """Back the scale off once, now, whatever the hysteresis allows (a retried step's
-        gradients overflowed: the same scale would overflow again): floor held, growth
-        tracker zeroed. For a dynamic scale (the caller checks)."""
-        factors = (self.growth_factor, self.backoff_factor, self.growth_interval)
-        update_scale_(scale, growth_tracker, torch.ones_like(scale), *factors)
-        scale.clamp_(min=self.min_scale)

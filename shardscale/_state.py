@@ -9,6 +9,7 @@ path by which the state changes. The iteration under way is `shardscale._steppin
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
@@ -18,10 +19,11 @@ from typing import Any
 
 import torch
 
-from shardscale._bins import meter_reading
+from shardscale._bins import fit_, meter_reading
 from shardscale._errors import no_scale_message
 from shardscale._grads import move
-from shardscale._policy import ScalePolicy, ScaleState
+from shardscale._policy import HOLD, ScalePolicy, ScaleState
+from shardscale._torch import update_scale_
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +234,74 @@ def combined(verdicts: Iterable[Verdict | None]) -> Verdict | None:
     return verdict
 
 
+def move_scale_(
+    policy: ScalePolicy,
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    hysteresis_tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    forward: torch.Tensor | None = None,
+    *,
+    clean: bool = False,
+    past_interval: bool = False,
+) -> None:
+    """Apply `policy`'s [`next()`][shardscale.ScalePolicy.next] in place to the device
+    tensors, without a host sync (the interval rule; the fit's is `shardscale._bins.fit_`).
+
+    Args:
+        scale: float32 scalar tensor.
+        growth_tracker: int32 scalar tensor on the same device.
+        hysteresis_tracker: int32 scalar tensor on the same device.
+        found_inf: float32 scalar, 1.0 when the gradients overflowed on some rank and no
+            rank's loss was non-finite (the caller takes the forward overflows out).
+        forward: float32 scalar, 1.0 on a forward overflow; None where the caller knows
+            there was none. Two kernels hold the state then: torch's kernel counts a
+            clean step (`found_inf` is 0), so the growth tracker is first set back by
+            one, and the scale cannot grow, where the tracker is below the interval.
+        clean: the host knows that `found_inf` is 0: the scale can only grow, so without
+            a finite `max_scale` no clamp is needed (torch's kernel never grows it to inf).
+        past_interval: the tracker may be at or past the interval (`growth_interval` was
+            lowered below it, or a state loaded with it there): a forward overflow then
+            sets it far below zero instead (`HOLD`, where counting one cannot reach the
+            interval) and back after, one kernel more.
+    """
+    if not policy.dynamic:
+        return
+    held = None if forward is None else forward.to(torch.int32)
+    if held is not None:
+        growth_tracker.sub_(held, alpha=HOLD if past_interval else 1)
+    # torch's own update kernel (back off, or grow after the interval), then the floor and
+    # ceiling, which it does not know (none needed for a growth without a ceiling: `clean`).
+    # With hysteresis around it: an overflow still tolerated keeps the old scale (the kernel
+    # already zeroed the growth tracker, as the policy does); a growth (the tracker wrapped
+    # to 0 on a clean step) replenishes the allowance, and a forward overflow does not.
+    tolerated = (found_inf > 0) & (hysteresis_tracker > 1) if policy.hysteresis > 1 else None
+    kept = None if tolerated is None else scale.clone()
+    factors = (policy.growth_factor, policy.backoff_factor, policy.growth_interval)
+    update_scale_(scale, growth_tracker, found_inf, *factors)
+    if held is not None and past_interval:
+        growth_tracker.add_(held, alpha=HOLD - 1)
+    if not (clean and math.isinf(policy.max_scale)):
+        scale.clamp_(min=policy.min_scale, max=policy.max_scale)
+    if tolerated is None or kept is None:
+        return
+    torch.where(tolerated, kept, scale, out=scale)
+    grew = (growth_tracker == 0) & (found_inf == 0)
+    if forward is not None:
+        grew &= forward == 0
+    replenished = torch.where(grew, policy.hysteresis, hysteresis_tracker)
+    torch.where(tolerated, hysteresis_tracker - 1, replenished, out=hysteresis_tracker)
+
+
+def back_off_(policy: ScalePolicy, scale: torch.Tensor, growth_tracker: torch.Tensor) -> None:
+    """Back the scale off once by `policy`, now, whatever the hysteresis allows (a retried step's
+    gradients overflowed: the same scale would overflow again): floor held, growth
+    tracker zeroed. For a dynamic scale (the caller checks)."""
+    factors = (policy.growth_factor, policy.backoff_factor, policy.growth_interval)
+    update_scale_(scale, growth_tracker, torch.ones_like(scale), *factors)
+    scale.clamp_(min=policy.min_scale)
+
+
 class Landing:
     """A device tensor's copy on its way to the host: [`values()`][values] waits for it to
     land (once), then reads it (and remembers what it read)."""
@@ -401,12 +471,12 @@ class DeviceState:
         elif policy.fit:  # the fit's bound, by the scale the gradients carried
             peak = verdict.peak if verdict.peak is not None else self.scale.new_zeros(())
             seen = peak / self.scale
-            policy.fit_(self.scale, self.hysteresis_tracker, self.fit, flags, seen)
+            fit_(policy, self.scale, self.hysteresis_tracker, self.fit, flags, seen)
         elif clean:
-            policy.update_(self.scale, *trackers, flags[Flag.SKIP], clean=True)
+            move_scale_(policy, self.scale, *trackers, flags[Flag.SKIP], clean=True)
         else:  # a gradient overflow backs off; a forward one holds
             found, forward = add[Count.BACKOFF], flags[Flag.FORWARD]
-            policy.update_(self.scale, *trackers, found, forward, past_interval=past_interval)
+            move_scale_(policy, self.scale, *trackers, found, forward, past_interval=past_interval)
         if not clean and policy.dynamic:  # the floor streak goes on only at the floor
             self.counters[Count.FLOOR_STREAK].mul_(self.scale <= policy.min_scale)
         if verdict.mismatch is not None:  # the alarms read it (`shardscale._report`)
@@ -418,7 +488,7 @@ class DeviceState:
         the floor). One host read of the scale."""
         if not policy.dynamic or float(self.scale.item()) <= policy.min_scale:
             return False
-        policy.backoff_(self.scale, self.growth_tracker)
+        back_off_(policy, self.scale, self.growth_tracker)
         self.counters[Count.RETRIES].add_(1)
         return True
 

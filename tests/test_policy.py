@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from shardscale import ScalePolicy, ScaleState
+from shardscale._bins import fit_
 from shardscale._policy import FIT_MAX_STREAK, FIT_WINDOW, MIN_SCALE
+from shardscale._state import move_scale_
 
 
 @pytest.mark.parametrize(
@@ -98,7 +100,7 @@ def test_policy_update_matches_reference_bit_for_bit() -> None:
         for step in range(40):
             found_inf = rng.random() < 0.35
             state = policy.next(state, found_inf)
-            policy.update_(scale, growth, hysteresis, torch.tensor(float(found_inf)))
+            move_scale_(policy, scale, growth, hysteresis, torch.tensor(float(found_inf)))
             assert _read(scale, growth, hysteresis) == state, f"trial {trial} step {step}: {policy}"
 
 
@@ -116,7 +118,7 @@ def test_policy_forward_overflow_holds_everything_under_hysteresis_bit_for_bit()
             forward = found_inf and rng.random() < 0.4
             state = policy.next(state, found_inf, forward)
             gradients = torch.tensor(float(found_inf and not forward))
-            policy.update_(scale, growth, hysteresis, gradients, torch.tensor(float(forward)))
+            move_scale_(policy, scale, growth, hysteresis, gradients, torch.tensor(float(forward)))
             assert _read(scale, growth, hysteresis) == state, f"trial {trial} step {step}: {policy}"
 
 
@@ -206,7 +208,7 @@ def test_policy_fit_update_matches_reference_bit_for_bit() -> None:
             seen = math.inf if found_inf and rng.random() < 0.3 else seen
             state = policy.next(state, found_inf, forward, 0.0 if found_inf else seen)
             flags = torch.tensor([float(found_inf), float(forward)])
-            policy.fit_(scale, hysteresis, fit, flags, torch.tensor(seen))
+            fit_(policy, scale, hysteresis, fit, flags, torch.tensor(seen))
             margin, streak, *window = fit.tolist()
             device = ScaleState(
                 scale.item(), 0, int(hysteresis.item()), int(margin), tuple(window), int(streak)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from shardscale import ScalePolicy, ScaleState, ShardedGradScaler
 from shardscale._policy import FIT_MARGIN, FIT_WINDOW
+from shardscale._state import move_scale_
 
 _FACTORS = st.floats(min_value=1.01, max_value=8.0)
 _BACKOFFS = st.floats(min_value=0.05, max_value=0.95)
@@ -45,7 +46,7 @@ def test_property_device_update_equals_reference(
     hysteresis = torch.tensor(state.hysteresis_tracker, dtype=torch.int32)
     for found_inf in overflows:
         state = policy.next(state, found_inf)
-        policy.update_(scale, growth, hysteresis, torch.tensor(float(found_inf)))
+        move_scale_(policy, scale, growth, hysteresis, torch.tensor(float(found_inf)))
         assert ScaleState(scale.item(), int(growth.item()), int(hysteresis.item())) == state
         assert policy.min_scale <= state.scale <= policy.max_scale
 
