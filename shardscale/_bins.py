@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from shardscale._errors import ShardScaleWarning
-from shardscale._grads import GradGroups, GradWalk, NormGroups, move
+from shardscale._grads import GradGroups, NormGroups, grad_groups, move
 from shardscale._policy import FIT_MAX_MARGIN, FIT_MAX_STREAK, ScalePolicy
 from shardscale._torch import foreach_norm, local_tensor
 
@@ -218,7 +218,7 @@ class Fp16Gradients:
         self._losses, self._readings = losses, readings
         if len(losses) == 2:  # the first backward is over: its gradients are .grad now
             leaves = [leaf for ref in self._leaves if (leaf := ref()) is not None]
-            groups, _ = GradWalk().groups(leaves)
+            groups, _ = grad_groups(leaves)
             first = peak((groups,), loss.device, None)
             if first is not None:
                 readings.append(first)
@@ -240,7 +240,7 @@ class Fp16Gradients:
             self._foreign = not any(id(param) in self._leaf_ids for param in params)
         if self.fp32_formed and not self._foreign:
             kept = (param for param in params if id(param) not in self.fp32_formed)
-            groups = (GradWalk().groups(kept)[0],)
+            groups = (grad_groups(kept)[0],)
         readings = book.fit_readings
         largest = peak(groups, device, scale)
         unmet = self._unmet(params)
@@ -248,7 +248,7 @@ class Fp16Gradients:
             return largest
         each = torch.stack([move(reading, device) for reading in readings]).amax()
         if unmet:  # no walk met them, so no hook read them: their `.grad`
-            late = largest if self._foreign else peak((GradWalk().groups(unmet)[0],), device, scale)
+            late = largest if self._foreign else peak((grad_groups(unmet)[0],), device, scale)
             each = each if late is None else torch.maximum(each, late)
         return torch.where(torch.isfinite(largest), each, largest)
 
@@ -293,6 +293,96 @@ class Fp16Gradients:
             values = local_tensor(grad) if isinstance(grad, DTensor) else grad
             if values.numel():  # an empty shard's inf-norm raises; it holds nothing to read
                 readings.append(torch.linalg.vector_norm(values, math.inf, dtype=torch.float32))
+
+
+# What the fit and the meter read of a check's gradients: the largest |scaled gradient| (the
+# fit's; None without it), and the counts by power of two (the meter's steps; else None).
+Reading = tuple[torch.Tensor | None, torch.Tensor | None]
+
+_METER_SKIPPED = (
+    "step {step}: the underflow meter (underflow_every) could not read this step: CUDA's "
+    "deterministic mode is on, and histc has no deterministic kernel. It reads the next of its "
+    "steps that can be; until one has, stats.underflow is None, never a 0 that was not measured "
+    "(said once)"
+)
+
+
+class Readings:
+    """What the fit and the meter read of a step's gradients, beside the agreement: the seam
+    through which a check reaches them (`shardscale._check` calls it only on the steps they
+    read, so a plain step never enters this module). What they read rides the ballot: written
+    into its peak slot and bins before the collective, taken from them after it.
+
+    Args:
+        meter_every: the meter's steps (`underflow_every`; 0: never).
+    """
+
+    def __init__(self, meter_every: int) -> None:
+        self.meter_every = meter_every
+        self.fp16 = Fp16Gradients()  # which gradients the fit reads, per backward
+        self._warned_meter = False  # that a meter step could not be read
+
+    def can_count_on(self, step: int, device: torch.device) -> bool:
+        """On one of the meter's steps: whether its counts can be made on `device` (not on CUDA
+        in deterministic mode); a step that cannot is said, once."""
+        if can_count(device):
+            return True
+        if not self._warned_meter:
+            self._warned_meter = True
+            warnings.warn(_METER_SKIPPED.format(step=step), ShardScaleWarning, stacklevel=6)
+        return False
+
+    def read(
+        self,
+        book: Any,
+        groups: Groups,
+        params: list[torch.Tensor],
+        device: torch.device,
+        scale: torch.Tensor | None,
+        fit: bool,
+        counting: bool,
+    ) -> Reading:
+        """What the fit (`fit`) and the meter (`counting`) read of `groups`, the gradients of
+        `params` (times `scale`, for gradients unscaled already): the largest |gradient| fp16
+        held, of those formed in fp16 ([`Fp16Gradients`][]), and the counts on the meter's
+        steps."""
+        largest = self.fp16.read(groups, params, device, scale, book) if fit else None
+        return largest, counted(groups, device, scale) if counting else None
+
+    def fill(
+        self, peak_slot: torch.Tensor, bins: torch.Tensor, readings: list[Reading], counting: bool
+    ) -> None:
+        """Write this rank's `readings` into a ballot: the largest peak into its peak slot, the
+        counts added up into its bins (on the meter's steps)."""
+        peaks = [peak for peak, _ in readings if peak is not None]
+        if peaks:  # a NaN counts as an inf: an overflow, and survives the reduction
+            largest = (
+                peaks[0]
+                if len(peaks) == 1
+                else torch.stack([move(p, peak_slot.device) for p in peaks]).amax()
+            )
+            largest = move(largest, peak_slot.device)
+            torch.nan_to_num(largest, nan=math.inf, posinf=math.inf, out=peak_slot)
+        counts = [count for _, count in readings if count is not None]
+        if counting and counts:
+            torch.sum(torch.stack([move(c, bins.device) for c in counts]), 0, out=bins)
+
+    def take(
+        self,
+        book: Any,
+        peaks: torch.Tensor,
+        bins: torch.Tensor | None,
+        device: torch.device,
+        fit: bool,
+    ) -> None:
+        """After the collective: the group's reading into `book`, on `device`: the fit's (the
+        power of two above the largest of `peaks`, where `fit`), and the meter's counts (`bins`,
+        on its steps)."""
+        if fit:
+            largest = peaks[0] if len(peaks) == 1 else peaks.amax()
+            book.peaks.append(move(power_above(largest), device))
+        if bins is not None:
+            book.counts.append(move(bins, device))
 
 
 def _remove(hooks: list[RemovableHandle]) -> None:

@@ -66,31 +66,22 @@ without a process group, or at world size 1, none is issued.
 from __future__ import annotations
 
 import math
-import warnings
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from shardscale._bins import BINS, Fp16Gradients, can_count, counted, power_above
+from shardscale._bins import BINS, Reading, Readings
 from shardscale._config import ScalerConfig
-from shardscale._errors import ShardScaleMismatchError, ShardScaleWarning, no_scale_message
+from shardscale._errors import no_scale_message
 from shardscale._exchange import Exchange
-from shardscale._grads import (
-    Flags,
-    GradGroups,
-    GradWalk,
-    Kernels,
-    NormGroups,
-    exact_norm_check,
-    move,
-    warn_plain_replicas_assumed,
-)
-from shardscale._state import Flag, ScaleHome, Verdict
+from shardscale._grads import Flags, GradGroups, Kernels, grad_groups, move
+from shardscale._locate import name_mismatch
+from shardscale._state import ScaleHome, Verdict
 
 # Checks one ballot carries at most: the call's own and those `unscale_()` left waiting (an
 # `unscale_()` that would leave more waiting agrees at once: `shardscale._stepping`).
@@ -201,30 +192,6 @@ class Ballot:
         return self.tensor[self.layout.bins]
 
 
-def check_clip_args(max_norm: float, norm_type: float) -> tuple[float, float]:
-    """Validate `max_norm` (finite, > 0) and `norm_type` (> 0, or inf)."""
-    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a number, got {type(value).__name__}: {value!r}")
-    if not (math.isfinite(max_norm) and max_norm > 0):
-        raise ValueError(f"max_norm must be a finite number > 0, got {max_norm}")
-    if not (norm_type > 0 and not math.isnan(norm_type)):
-        raise ValueError(f"norm_type must be > 0 (or math.inf), got {norm_type}")
-    return float(max_norm), float(norm_type)
-
-
-_METER_SKIPPED = (
-    "step {step}: the underflow meter (underflow_every) could not read this step: CUDA's "
-    "deterministic mode is on, and histc has no deterministic kernel. It reads the next of its "
-    "steps that can be; until one has, stats.underflow is None, never a 0 that was not measured "
-    "(said once)"
-)
-
-# What the fit and the meter read of a local check's gradients: the largest |scaled gradient|
-# (the fit's; None without it), and the counts by power of two (the meter's steps; else None).
-Reading = tuple[torch.Tensor | None, torch.Tensor | None]
-
-
 class Iteration(Protocol):
     """What an agreement reads of the iteration under way
     ([`IterationBook`][shardscale._stepping.IterationBook])."""
@@ -239,48 +206,13 @@ class Iteration(Protocol):
     mismatches: list[torch.Tensor]
 
 
-@dataclass(frozen=True, slots=True)
-class ClipRequest:
-    """What `clip_grad_norm_` asks of an agreement.
-
-    Attributes:
-        replicas: How many ranks hold the same plain (non-DTensor) gradients (`replica_group`).
-        scaled: Whether the gradients still carry the scale (False: `unscale_()` divided it out).
-        uncovered: Whether this rank holds gradients the clip leaves out, of optimizers stepped
-            before (the uncovered-gradients slot).
-    """
-
-    params: list[torch.Tensor]
-    max_norm: float
-    norm_type: float
-    replicas: int
-    scaled: bool = True
-    uncovered: bool = False
-
-    @property
-    def listed(self) -> int:
-        """A 16-bit signature of the list: its length (not its shapes: FSDP1's original
-        parameters are views that differ per rank), the same on every rank that passes the same
-        list, and different where lists built from each rank's own gradients differ."""
-        return len(self.params) & ((1 << LIST_BITS) - 1)
-
-
-@dataclass(frozen=True, slots=True)
-class ClipResult:
-    """What a clip's agreement returns: its check's verdict, the global norm, the reduced
-    coverage slots (the count of ranks that held gradients the clip left out, then the clip
-    list's bits: `Layout.COVERAGE`), and whether this rank clipped plain gradients without
-    having scaled (a pipeline stage, whose replica count the default group likely
-    overstates)."""
-
-    verdict: Verdict
-    total_norm: torch.Tensor
-    coverage: torch.Tensor
-    plain_on_a_stage: bool = False
-
-
 class Agreement:
     """Checks, unscales and clips this rank's gradients, and agrees with every rank.
+
+    The fit and the meter read the gradients through one seam, [`Readings`][
+    shardscale._bins.Readings], called only on the steps they read (the fit's, and the meter's
+    every `underflow_every`); a clip agrees through [`ballot()`][ballot] and [`vote()`][vote]
+    too (`shardscale._clip`).
 
     Args:
         exchange: the process group and its collectives.
@@ -293,17 +225,13 @@ class Agreement:
         self.exchange = exchange
         self.home = home
         self.kernels = Kernels()
-        self.fp16 = Fp16Gradients()  # which gradients the fit reads, per backward
-        self._meter_every = config.underflow_every
+        self.readings = Readings(config.underflow_every)
         self._settings = zlib.crc32(repr(config.collective_settings()).encode())
-        self._walk = GradWalk()
         # the ballots' two rows (module docstring), made once per identity and device
         self._templates: dict[tuple[Any, ...], torch.Tensor] = {}
         self.agreed_once = False
         """Whether this scaler has been through an agreement: every rank passes its first at
         the same collective, so "defer unscale_'s agreement" is decided alike everywhere."""
-        self._warned = False  # that plain replicas were assumed on a stage without a loss
-        self._warned_meter = False  # that a meter step could not be read
 
     def agree(
         self,
@@ -324,13 +252,13 @@ class Agreement:
         unscale, check = groups
         checks = list(waiting) if own is None else [own, *waiting]
         with torch.no_grad():
-            to_unscale, has_unscaled = self._walk.groups(unscale)
-            to_check, has_checked = self._walk.groups(check)
+            to_unscale, has_unscaled = grad_groups(unscale)
+            to_check, has_checked = grad_groups(check)
             if own is not None:
                 own.has_grads = has_unscaled or has_checked
             has_scale = not self.home.unconfirmed
-            ballot = self._ballot(book, scale.device, caller, checks, has_scale)
-            counting = self._counting(book, scale.device)
+            ballot = self.ballot(book, scale.device, caller, checks, has_scale)
+            counting = self.counting(book, scale.device)
             inv = self.kernels.inverse(scale) if unscale else None
             flags: Flags = {ballot.skip().device: ballot.skip()}
             if own is not None:  # unconfirmed: check now, unscale after
@@ -338,9 +266,9 @@ class Agreement:
                 read = (book, groups_, [*unscale, *check], inv if has_scale else None, flags)
                 own.reading = self._check_local(*read, counting)
             others = [(0, flag) for device, flag in flags.items() if device != ballot.skip().device]
-            others += [(i, flag) for i, c in enumerate(checks) for flag in _waiting_flags(c)]
-            self._fill(ballot, [c.reading for c in checks], counting)
-            verdicts = self._vote(book, ballot, others, caller, None, counting)
+            others += [(i, flag) for i, c in enumerate(checks) for flag in waiting_flags(c)]
+            self.fill(ballot, checks, counting)
+            verdicts = self.vote(book, ballot, others, caller, None, counting)
             for check_, verdict in zip(checks, verdicts, strict=True):
                 check_.verdict = verdict
             if not has_scale and inv is not None:  # the group confirmed a scale: unscale now
@@ -352,98 +280,15 @@ class Agreement:
         """`unscale_`'s local check of `params`' gradients, unscaling them: `check` keeps its
         flags and readings, and waits for the next agreement."""
         with torch.no_grad():
-            groups, has_grads = self._walk.groups(params)
+            groups, has_grads = grad_groups(params)
             # the meter's step: counted now, at the scale the gradients still carry
-            counting = self._counting(book, scale.device)
+            counting = self.counting(book, scale.device)
             flags: Flags = {}
             inv = self.kernels.inverse(scale)
             checks: tuple[GradGroups, GradGroups] = (groups, {})
             check.reading = self._check_local(book, checks, params, inv, flags, counting)
         check.has_grads, check.local_flags = has_grads, flags
         check.param_ids = frozenset(map(id, params))
-
-    def clip(
-        self,
-        book: Iteration,
-        scale: torch.Tensor | None,
-        request: ClipRequest,
-        waiting: Sequence[Check] = (),
-    ) -> ClipResult:
-        """`clip_grad_norm_`: the norm share of the request's gradients travels with the flags
-        (and with the checks `unscale_` left waiting) in ONE collective; then they are clipped
-        (and unscaled, unless `unscale_` did) to the agreed global norm. A waiting check over
-        some of the clip's parameters takes the clip's flags (its own join them: a step after
-        an overflowing clip is skipped), and keeps its own count of gradients; the others keep
-        their own verdicts. Without a `scale` (a disabled scaler) only the norm is agreed on,
-        and the gradients are clipped as torch clips them (a non-finite norm included)."""
-        norm_type = request.norm_type
-        with torch.no_grad():
-            norms, plain, has_grads = self._walk.norm_groups(request.params, request.replicas)
-            # a disabled scaler has no scale: the gradients' device (the CPU without any)
-            device = next(iter(norms), (torch.device("cpu"),))[0] if scale is None else scale.device
-            own = Check(has_grads=has_grads, param_ids=frozenset(map(id, request.params)))
-            checks = [own, *waiting]
-            has_scale = scale is None or not self.home.unconfirmed
-            several = self.exchange.world_size > 1  # at 1 the signature tells nothing
-            clip = (request.uncovered, request.listed if several else 0)
-            ballot = self._ballot(book, device, "clip_grad_norm_", checks, has_scale, clip)
-            counting = scale is not None and self._counting(book, device)
-            inv = self._clip_check(book, ballot, own, norms, request, scale, counting)
-            merged = [
-                (0 if _overlaps(check, own) else unit, flag)
-                for unit, check in enumerate(checks)
-                for flag in _waiting_flags(check)
-            ]
-            self._fill(ballot, [check.reading for check in checks], counting)
-            verdicts = self._vote(book, ballot, merged, "clip_grad_norm_", norm_type, counting)
-            for unit, check in enumerate(checks):
-                merges = unit > 0 and _overlaps(check, own)
-                check.verdict = verdicts[0].sharing(verdicts[unit]) if merges else verdicts[unit]
-            total = self._total_norm(ballot, norm_type)
-            found_inf = None if scale is None else verdicts[0].flags[Flag.SKIP]
-            self.kernels.clip_(norms, request.max_norm, total, inv, found_inf)
-        coverage = move(ballot.tensor[Layout.COVERAGE], ballot.device)
-        stage = plain and scale is not None and not self.home.scaled_here
-        return ClipResult(verdicts[0], move(total, ballot.device), coverage, stage)
-
-    def warn_replicas_assumed(self, result: ClipResult, replicas: int) -> None:
-        """This rank's own diagnostic for a clip (once): plain gradients on a rank that never
-        scaled, taken as replicated on every rank. Said once the clip is done, collective and
-        bookkeeping (where warnings are errors, this rank raises then, and goes on like its
-        peers)."""
-        if result.plain_on_a_stage and not self._warned:
-            self._warned = warn_plain_replicas_assumed(replicas, self.exchange.world_size)
-
-    def _clip_check(
-        self,
-        book: Iteration,
-        ballot: Ballot,
-        own: Check,
-        norms: NormGroups,
-        request: ClipRequest,
-        scale: torch.Tensor | None,
-        counting: bool,
-    ) -> torch.Tensor | None:
-        """A clip's local pass: what the fit and the meter read (into `own`, its check), this
-        rank's norm share into the ballot, and the check into its first slot. Returns the
-        inverse scale the gradients are still to be multiplied by (None: `unscale_()` divided
-        it out, or no scale)."""
-        kernels, norm_type, device = self.kernels, request.norm_type, ballot.device
-        unscaled = None if request.scaled else scale  # its gradients' peak is times the scale
-        wanted = scale is not None and (counting or self.home.host.policy.fit)
-        read = (book, (norms,), request.params, device)
-        own.reading = self._read(*read, unscaled, counting) if wanted else None
-        inv = kernels.inverse(scale) if request.scaled and scale is not None else None
-        # The norms' check raises the ballot's own slot (no kernel of its own) where a
-        # non-finite norm means a non-finite element; otherwise the elements are checked.
-        exact = exact_norm_check(norms, norm_type)
-        flags = {ballot.skip().device: ballot.skip()}
-        factor = kernels.one(device) if inv is None else inv
-        share = ballot.inf_norm_slot if math.isinf(norm_type) else ballot.norm
-        kernels.local_norms_(norms, norm_type, factor, flags if exact else {}, share)
-        if inv is not None and not exact:
-            kernels.check_(norms, None, flags)
-        return inv
 
     def _check_local(
         self,
@@ -459,44 +304,23 @@ class Agreement:
         it; then one fused check per group of the first `groups`, which also multiplies by
         `inv_scale` (if given), and of the second, raising `flags`."""
         unscale, check = groups
-        wanted = counting or self.home.host.policy.fit
-        device = self.home.require("step").scale.device
-        reading = self._read(book, groups, params, device, None, counting) if wanted else None
+        fit, reading = self.home.host.policy.fit, None
+        if counting or fit:  # where they read this step (the seam: module docstring)
+            device = self.home.require("step").scale.device
+            reading = self.readings.read(book, groups, params, device, None, fit, counting)
         self.kernels.check_(unscale, inv_scale, flags)
         if check:
             self.kernels.check_(check, None, flags)
         return reading
 
-    def _read(
-        self,
-        book: Iteration,
-        groups: tuple[GradGroups | NormGroups, ...],
-        params: list[torch.Tensor],
-        device: torch.device,
-        scale: torch.Tensor | None,
-        counting: bool,
-    ) -> Reading:
-        """What the fit and the meter read of `groups`, the gradients of `params` (times
-        `scale`, for gradients unscaled already): the largest |gradient| fp16 held where the fit
-        wants it (of those formed in fp16: `shardscale._bins.Fp16Gradients`), the counts on the
-        meter's steps (`shardscale._bins`)."""
-        fit = self.home.host.policy.fit
-        largest = self.fp16.read(groups, params, device, scale, book) if fit else None
-        return largest, counted(groups, device, scale) if counting else None
-
-    def _counting(self, book: Iteration, device: torch.device) -> bool:
+    def counting(self, book: Iteration, device: torch.device) -> bool:
         """Whether this step is one of the meter's: every `underflow_every` steps (0: never),
-        where its counts can be made (`shardscale._bins`)."""
-        every = self._meter_every
+        where its counts can be made on `device` (`shardscale._bins`)."""
+        every = self.readings.meter_every
         # `not step % every`: a Python bool even where torch.compile traces the step as a symbol
         if not every or book.step % every:
             return False
-        if can_count(device):
-            return True
-        if not self._warned_meter:  # a meter step it cannot read: say so, once
-            self._warned_meter = True
-            warnings.warn(_METER_SKIPPED.format(step=book.step), ShardScaleWarning, stacklevel=5)
-        return False
+        return self.readings.can_count_on(book.step, device)
 
     def identity(self, book: Iteration, caller: str, checks: int) -> int:
         """The identity hash a ballot carries (module docstring): the call, its place in the
@@ -505,7 +329,7 @@ class Agreement:
         key = (caller, book.collectives, checks, self.home.origin, self._settings)
         return zlib.crc32(repr((key, self.home.host.policy)).encode())
 
-    def _ballot(
+    def ballot(
         self,
         book: Iteration,
         device: torch.device,
@@ -575,24 +399,13 @@ class Agreement:
             self._templates[key] = templates
         return templates
 
-    def _fill(self, ballot: Ballot, readings: Sequence[Reading | None], counting: bool) -> None:
-        """Write this rank's readings into the ballot: the largest peak into its peak slot, the
-        counts added up into the bins (on the meter's steps)."""
-        peaks = [r[0] for r in readings if r is not None and r[0] is not None]
-        slot = ballot.peak_slot
-        if peaks:  # a NaN counts as an inf: an overflow, and survives the reduction
-            largest = (
-                peaks[0]
-                if len(peaks) == 1
-                else torch.stack([move(p, slot.device) for p in peaks]).amax()
-            )
-            torch.nan_to_num(move(largest, slot.device), nan=math.inf, posinf=math.inf, out=slot)
-        counts = [r[1] for r in readings if r is not None and r[1] is not None]
-        if counting and counts:
-            bins = ballot.bins
-            torch.sum(torch.stack([move(c, bins.device) for c in counts]), 0, out=bins)
+    def fill(self, ballot: Ballot, checks: Sequence[Check], counting: bool) -> None:
+        """Write what the fit and the meter read of `checks` into the ballot (where they read)."""
+        readings = [check.reading for check in checks if check.reading is not None]
+        if readings:
+            self.readings.fill(ballot.peak_slot, ballot.bins, readings, counting)
 
-    def _vote(
+    def vote(
         self,
         book: Iteration,
         ballot: Ballot,
@@ -606,12 +419,10 @@ class Agreement:
         its unit); then the scale is confirmed where the ballot had none. Returns a verdict per
         check, in the ballot's order; the fit's peak and the meter's counts go to `book`."""
         verdicts = self._reduce(ballot, others, book=book, caller=caller, norm_type=norm_type)
-        if self.home.host.policy.fit:  # now the group's: the largest slot's
-            peaks = ballot.peaks
-            largest = peaks[0] if len(peaks) == 1 else peaks.amax()
-            book.peaks.append(move(power_above(largest), ballot.device))
-        if counting:
-            book.counts.append(move(ballot.bins, ballot.device))
+        fit = self.home.host.policy.fit
+        if fit or counting:  # what they read, now the group's (the seam: class docstring)
+            bins = ballot.bins if counting else None
+            self.readings.take(book, ballot.peaks, bins, ballot.device, fit)
         if not ballot.has_scale:  # the group confirmed that some rank scaled
             self.home.confirm()
         self.agreed_once = True
@@ -689,24 +500,9 @@ class Agreement:
         world_size = self.exchange.world_size
         if all(bit in (0.0, world_size) for bit in head[Layout.IDENTITY]):
             return head
-        mine = {
-            "call": f"{caller}() (collective {book.collectives} of step {book.step}, "
-            f"{ballot.used} check(s))",
-            "state": self.home.origin_note,
-        }
-        ranks = self.exchange.gather_objects(mine, book.step, "what each rank's ballot was")
-        named = "; ".join(
-            f"rank {rank}: {cast(dict[str, str], them)['call']}, "
-            f"its state {cast(dict[str, str], them)['state']}"
-            for rank, them in enumerate(ranks)
-        )
-        raise ShardScaleMismatchError(  # the same words on every rank: no step of its own
-            f"the {world_size} ranks met in the scaler's collective with different calls or "
-            f"different scaler states (its identity differs), so their decisions would part: "
-            f"{named}. Every rank must make the same calls to the scaler "
-            "in the same order, and load the same state (a checkpoint loaded on some ranks "
-            "only, or a stale copy on one node, differs); nothing of this step was applied"
-        )
+        call = f"{caller}() (collective {book.collectives} of step {book.step}, "
+        mine = {"call": call + f"{ballot.used} check(s))", "state": self.home.origin_note}
+        raise name_mismatch(self.exchange, mine, book.step)
 
     def _mismatch_on_device(self, ballot: Ballot) -> torch.Tensor:
         """On an accelerator, 1.0 where the reduced identity says some rank differs (a slot
@@ -732,23 +528,10 @@ class Agreement:
         start = Layout.UNITS.start + Unit.HAS
         return [held or head[start + i * len(Unit)] > 0 for i, held in enumerate(ballot.has)]
 
-    def _total_norm(self, ballot: Ballot, norm_type: float) -> torch.Tensor:
-        """The agreed global norm: the largest inf-norm share, or the summed p-th powers' root."""
-        if math.isinf(norm_type):
-            shares = ballot.tensor[ballot.layout.inf_norms]
-            return shares[0] if len(shares) == 1 else shares.amax()
-        total = ballot.norm
-        return total if norm_type == 1.0 else total.pow(1.0 / norm_type)
 
-
-def _waiting_flags(check: Check) -> list[torch.Tensor]:
+def waiting_flags(check: Check) -> list[torch.Tensor]:
     """The flags `unscale_()` raised for `check`, while it waits (none once agreed)."""
     return list(check.local_flags.values()) if check.local_flags and check.verdict is None else []
-
-
-def _overlaps(check: Check, clip: Check) -> bool:
-    """Whether `check` (a waiting `unscale_()`'s) holds some of the clip's parameters."""
-    return not check.param_ids.isdisjoint(clip.param_ids)
 
 
 def _fill_bits(slots: torch.Tensor, value: int) -> None:

@@ -33,7 +33,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from shardscale._errors import ShardScaleWarning
-from shardscale._grads import Flags, GradWalk, Kernels
+from shardscale._grads import Flags, Kernels, grad_groups
 from shardscale._state import combined
 from shardscale._stepping import (
     IterationBook,
@@ -199,7 +199,7 @@ def unscale_grads(
     if not allow_fp16 and any(p.grad is not None and p.grad.dtype == torch.float16 for p in params):
         raise ValueError("Attempting to unscale FP16 gradients.")
     with torch.no_grad():
-        groups, _has_elements = GradWalk().groups(params)
+        groups, _has_elements = grad_groups(params)
         flags: Flags = {found_inf.device: found_inf}
         for device, _dtype in groups:
             if device not in flags:

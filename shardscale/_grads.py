@@ -10,53 +10,44 @@ Whatever the parallelism, the gradient an optimizer sees is one of:
   DTensor's own reductions, and read its layout from its public `device_mesh` and `placements`;
 * a sparse tensor: we use its coalesced values.
 
-Three questions are answered here and nowhere else: which elements this rank holds
-(`local_grad`, `local_grads`), how many ranks hold the same elements (`GradWalk.groups`, for a
-global norm that counts every element once), and which original parameter an element belongs to
-(`original_slices`, for naming overflows).
+Two questions are answered here and nowhere else: which elements this rank holds
+(`local_grad`, `local_grads`), and which original parameter an element belongs to
+(`original_slices`, for naming overflows). A third, how many ranks hold the same elements (for a
+global norm that counts every element once), only a clip asks: `shardscale._clip` answers it.
 
 The tensors returned alias the gradients: unscaling them in place unscales the gradients, with no
 copy. The one exception is an uncoalesced sparse gradient, which is replaced by its coalesced form
 (as torch's scalers do), because duplicate indices are summed only then, and that sum can overflow.
 
-A step groups its gradients afresh ([`GradWalk`][]): by (device, dtype), one fused kernel call
-per group, each gradient taken as it is (FSDP2's padding between shards is never read). Nothing is
-kept by gradient identity: the default loop hands new gradient tensors every step. A layout kept
-while the gradients stayed the same objects, with flat buffers where FSDP2's shards tile their
-reduce-scatter buffer, was measured and removed: on the default loop it paid only for
-`clip_grad_norm_` over hundreds of small tensors (docs/benchmarks.md). For that clip, on the CPU,
-a group whose gradients tile one buffer back to back is recognised afresh at every call and taken
-as one view of exactly their elements.
+A step groups its gradients afresh ([`grad_groups`][]): by (device, dtype), one fused kernel
+call per group, each gradient taken as it is (FSDP2's padding between shards is never read).
+Nothing is kept by gradient identity: the default loop hands new gradient tensors every step. A
+layout kept while the gradients stayed the same objects, with flat buffers where FSDP2's shards
+tile their reduce-scatter buffer, was measured and removed: on the default loop it paid only for
+`clip_grad_norm_` over hundreds of small tensors (docs/benchmarks.md).
 
-The kernels a step runs over its groups (check-and-unscale, the multiply, the norms and the
-clip) are here too, in [`Kernels`][], beside the groups they take: `shardscale._check` decides which
-gradients go through which, and agrees with every rank on the flags they raise.
+The kernels a step runs over its groups (check-and-unscale, the multiply) are here too, in
+[`Kernels`][], beside the groups they take: `shardscale._check` decides which gradients go
+through which, and agrees with every rank on the flags they raise (a clip's norms are
+`shardscale._clip`'s).
 """
 
 from __future__ import annotations
 
 import math
 import operator
-import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from shardscale._errors import ShardScaleWarning
 from shardscale._torch import (
     check_and_unscale_,
-    dtensor_spec,
-    flat_param_sizes,
     flat_param_slices,
     foreach_mul_,
-    foreach_norm,
     group_by_device_and_dtype,
     is_flat_param,
-    is_fsdp_flattened,
     local_tensor,
     no_torch_function_subclass,
     sparse_values,
@@ -64,12 +55,12 @@ from shardscale._torch import (
 
 # Local gradient tensors keyed by (device, dtype): one fused kernel call per key.
 GradGroups = dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
-# Local gradients by (device, dtype, replica count): one norm and one weight per key.
+# Local gradients by (device, dtype, replica count): one norm and one weight per key (a clip's:
+# `shardscale._clip`).
 NormGroups = dict[tuple[torch.device, torch.dtype, int], list[torch.Tensor]]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _GRAD = operator.attrgetter("grad")
-_BASE = operator.attrgetter("_base")
 _FLAT_PARAM = "_flat_param"
 
 
@@ -127,23 +118,6 @@ def local_grad(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def _dtensor_replicas(grad: DTensor) -> int:
-    """The product of the mesh sizes of `grad`'s `Replicate` dimensions."""
-    replicas = 1
-    for dim, placement in enumerate(grad.placements):
-        if placement.is_partial():
-            raise ValueError(
-                "a gradient's placements must be Shard or Replicate to take its norm, got "
-                f"{tuple(grad.placements)}: a Partial gradient is a sum still to be reduced "
-                "(redistribute it first)"
-            )
-        # is_replicate(), not `not is_shard()`: FSDP2 x TP's _StridedShard is no Shard
-        # (is_shard() False), yet shards all the same
-        if placement.is_replicate():
-            replicas *= grad.device_mesh.size(dim)
-    return replicas
-
-
 def original_slices(name: str, param: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """`(name, local gradient elements)` per original parameter held in `param`'s gradient.
 
@@ -164,154 +138,19 @@ def original_slices(name: str, param: torch.Tensor) -> Iterator[tuple[str, torch
         yield prefix + fqn, flat[start : start + numel]
 
 
-def plain_replicas(replica_group: object, world_size: int) -> int:
-    """The number of ranks `clip_grad_norm_`'s `replica_group` names (see its docs)."""
-    if replica_group is None:
-        return world_size
-    if isinstance(replica_group, DeviceMesh):
-        if replica_group.ndim != 1:
-            raise ValueError(
-                f"replica_group must be a 1-D DeviceMesh, got one of shape "
-                f"{tuple(replica_group.shape)}: slice it by the data-parallel dimension"
-            )
-        return replica_group.size()
-    if isinstance(replica_group, dist.ProcessGroup):
-        return dist.get_world_size(replica_group)
-    if isinstance(replica_group, bool) or not isinstance(replica_group, int):
-        raise TypeError(
-            "replica_group must be a ProcessGroup, a 1-D DeviceMesh, an int or None, got "
-            f"{type(replica_group).__name__}"
-        )
-    if not 1 <= replica_group <= world_size:
-        raise ValueError(
-            f"replica_group must be in [1, {world_size}] (the scaler's group size), got "
-            f"{replica_group}"
-        )
-    return replica_group
+def grad_groups(params: Iterable[torch.Tensor]) -> tuple[GradGroups, bool]:
+    """`params`' local gradients by (device, dtype): one fused kernel call per group; and
+    whether any exists. Grouped afresh at every call (module docstring).
 
-
-def _one_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """One view of exactly `tensors`' elements where they tile one buffer back to back (the same
-    `_base`, each contiguous, each starting where the one before ends: FSDP2's shards of its
-    reduce-scatter output), else None. Checked afresh at each call, all in C."""
-    base = tensors[0]._base
-    if base is None:
-        return None
-    starts = list(map(torch.Tensor.storage_offset, tensors))
-    ends = list(map(operator.add, starts, map(torch.Tensor.numel, tensors)))
-    tiled = starts[1:] == ends[:-1] and all(map(torch.Tensor.is_contiguous, tensors))
-    if tiled and all(map(operator.is_, map(_BASE, tensors), [base] * len(tensors))):
-        return tensors[0].as_strided((ends[-1] - starts[0],), (1,))
-    return None
-
-
-def warn_plain_replicas_assumed(replicas: int, world_size: int) -> bool:
-    """Warn where the default replica group is most likely wrong: plain gradients clipped on a
-    rank that never scaled (a pipeline stage), taken as replicated on every rank. Whether it
-    warned (callers warn once)."""
-    if replicas != world_size or world_size == 1:
-        return False
-    warnings.warn(
-        "clip_grad_norm_ on a rank that never called scale() (a pipeline stage that computes "
-        "no loss?) got plain (non-DTensor) gradients and, with replica_group=None, takes "
-        f"them as replicated on all {world_size} ranks of the scaler's group (as under DDP). "
-        "If they are this stage's own, pass replica_group= (the stage's data-parallel group, "
-        "or 1 for pure pipeline parallelism): otherwise the norm is too small.",
-        ShardScaleWarning,
-        stacklevel=5,
-    )
-    return True
-
-
-class GradWalk:
-    """A scaler's walks of its local gradients, grouped afresh at every call (module docstring).
-
-    Nothing is cached by gradient identity: the default loop (`zero_grad()`, FSDP2's
-    reduce-scatter) hands new gradient tensors every step, where a layout kept from the last
-    step never matches. Only each DTensor parameter's replica count is kept, by its spec object.
+    Raises:
+        TypeError: a gradient is not floating point.
     """
-
-    def __init__(self) -> None:
-        self._replicas: dict[int, tuple[object, int]] = {}  # per parameter: (spec, count)
-
-    def groups(self, params: Iterable[torch.Tensor]) -> tuple[GradGroups, bool]:
-        """`params`' local gradients by (device, dtype): one fused kernel call per group; and
-        whether any exists.
-
-        Raises:
-            TypeError: a gradient is not floating point.
-        """
-        grads, _positions, held = local_grads(tuple(params))
-        groups: GradGroups = {}
-        if grads:
-            for key, (tensor_lists, _indices) in group_by_device_and_dtype(
-                [cast(Any, grads)]
-            ).items():
-                groups[key] = cast(list[torch.Tensor], tensor_lists[0])
-        return groups, held
-
-    def norm_groups(
-        self, params: Iterable[torch.Tensor], plain: int
-    ) -> tuple[NormGroups, bool, bool]:
-        """`params`' local gradients by (device, dtype, replica count) for a global norm
-        ([`NormGroups`][]; `plain`: how many ranks hold the same plain gradients); whether any
-        was a plain tensor (its count came from `plain`); whether any exists.
-
-        On the CPU a kernel over many tensors is a loop of kernels (a norm ~2 us each): a group
-        tiling one buffer back to back is taken as one view of it ([`_one_view`][]), for 0.5 us
-        a tensor (docs/benchmarks.md).
-
-        Raises:
-            TypeError: a gradient is not floating point.
-        """
-        params = tuple(params)
-        grads, positions, held = local_grads(params)
-        groups: NormGroups = {}
-        any_plain = False
-        grouped = group_by_device_and_dtype([cast(Any, grads)], with_indices=True) if grads else {}
-        with no_torch_function_subclass():
-            for (device, dtype), (tensor_lists, indices) in grouped.items():
-                for grad, index in zip(
-                    cast(list[torch.Tensor], tensor_lists[0]), indices, strict=True
-                ):
-                    count, is_plain = self._replica_count(params[positions[index]], plain)
-                    any_plain = any_plain or is_plain
-                    groups.setdefault((device, dtype, count), []).append(grad)
-        for key, tensors in groups.items():
-            view = _one_view(tensors) if key[0].type == "cpu" else None
-            if view is not None:
-                groups[key] = [view]
-        return groups, any_plain, held
-
-    def _replica_count(self, param: torch.Tensor, plain: int) -> tuple[int, bool]:
-        """How many ranks hold the same local gradient elements as this rank does for `param`,
-        and whether its gradient is a plain tensor (its replicas named by the caller, not read
-        from a DTensor or an FSDP1 flat parameter).
-
-        * DTensor: read from its own `device_mesh` and `placements`: the product of the mesh
-          sizes of its `Replicate` dimensions (HSDP's replicate dimension, a TP `Replicate`).
-          Ranks outside its mesh hold other parameters (another pipeline stage, other experts)
-          or other shards, so disjoint stages and expert shards add up.
-        * Plain tensor: `plain`, the ranks the caller says replicate it (DDP: the whole
-          group; a pipeline stage: its data-parallel group; pure pipeline: 1).
-        * FSDP1 flat parameter: `plain` ranks hold it, in as many shards as it has.
-        * A parameter FSDP1 flattened (`use_orig_params=True`): taken as fully sharded, 1.
-        """
-        grad = param.grad
-        if type(grad) is not DTensor and not isinstance(grad, DTensor):
-            if not is_fsdp_flattened(param):
-                return plain, True
-            if is_flat_param(param):
-                unsharded, sharded = flat_param_sizes(param)
-                return max(plain // max(unsharded // max(sharded, 1), 1), 1), False
-            return 1, False  # a view into a flat parameter (`use_orig_params`)
-        # By the gradient's sharding spec, per parameter: FSDP2 hands each step's gradient with
-        # the parameter's one spec object (3x cheaper than reading the mesh and placements).
-        known = self._replicas.get(id(param))
-        spec = dtensor_spec(grad)
-        if known is None or known[0] is not spec:
-            known = self._replicas[id(param)] = (spec, _dtensor_replicas(grad))
-        return known[1], False
+    grads, _positions, held = local_grads(tuple(params))
+    groups: GradGroups = {}
+    if grads:
+        for key, (tensor_lists, _indices) in group_by_device_and_dtype([cast(Any, grads)]).items():
+            groups[key] = cast(list[torch.Tensor], tensor_lists[0])
+    return groups, held
 
 
 # ------------------------------------------------------------------ the kernels over the groups
@@ -319,19 +158,6 @@ class GradWalk:
 Groups = GradGroups | NormGroups
 # One float32 scalar per device holding gradients: 1.0 where any element was non-finite.
 Flags = dict[torch.device, torch.Tensor]
-
-_CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
-_DTYPE = operator.itemgetter(1)
-
-
-def exact_norm_check(groups: NormGroups, norm_type: float) -> bool:
-    """Whether a non-finite norm means a non-finite element, and nothing else.
-
-    True for `p <= 2` and the inf-norm over gradients of at most float32 range: their float64
-    sums cannot overflow. Otherwise the caller checks the elements in an extra pass.
-    """
-    small_p = norm_type <= 2.0 or math.isinf(norm_type)
-    return small_p and torch.float64 not in map(_DTYPE, groups)
 
 
 class Kernels:
@@ -349,28 +175,13 @@ class Kernels:
     exact. Per tensor, a sum costs a few us more than the kernel's share: small tensors stay with
     the kernel.
 
-    Clipping to a global norm takes two passes, whatever the layout:
-
-    1. read: the per-tensor norms of the still-scaled gradients, unscaled and reduced to this rank's
-       share `sum |g|^p / r`, `r` being how many ranks hold those same elements (so the sum over the
-       group counts every element once; the inf-norm needs no weights, its reduction is a max). A
-       non-finite element makes its tensor's norm non-finite, so this pass is also the overflow
-       check (for p <= 2 and the inf-norm; a larger p takes one extra check pass). Scaled fp32
-       gradients can be large enough that their squares overflow float32, so a finite gradient must
-       never be taken for an overflow: on the CPU, where some norm comes out non-finite, the norms
-       are taken again in float64 (deciding that is a host read, free there; float64 norms cost 8x
-       there; a group tiling one buffer is one tensor there, `GradWalk.groups`), on an accelerator
-       every norm accumulates in float64 (a memory-bound pass either way).
-    2. read+write: multiply by `inv_scale * min(1, max_norm / (total + 1e-6))`, after the agreement.
-
-    The small constants the kernels need (a float32 one, a float64 one, a scratch flag, `max_norm`)
-    are made once per device and kept here, one `Kernels` per scaler, never shared between scalers.
+    The small constants the kernels need (a float32 one, a float64 one, a scratch flag) are made
+    once per device and kept here, one `Kernels` per scaler, never shared between scalers.
     """
 
     def __init__(self) -> None:
         self._ones: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._scratch: Flags = {}
-        self._max_norm: dict[torch.device, tuple[float, torch.Tensor]] = {}
 
     def one(self, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A one on `device`, made once: for a kernel that wants a factor but has nothing to
@@ -436,107 +247,3 @@ class Kernels:
             foreach_mul_(grads, on_cpu)
         if on_accelerators:
             self.check_(on_accelerators, factor, self._scratch)
-
-    def local_norms_(
-        self,
-        groups: NormGroups,
-        norm_type: float,
-        inv_scale: torch.Tensor,
-        flags: Flags,
-        out: torch.Tensor,
-    ) -> None:
-        """Pass 1 (read only): this rank's share of the unscaled global norm, into `out` (the
-        ballot's float32 slot), and the check.
-
-        The per-tensor norms of every group with the same replica count are moved to `out`'s
-        device (a non-blocking copy from the CPU: CPU-offloaded gradients cost no device-to-host
-        copy here), stacked in one kernel, then unscaled and checked in one more (the check
-        kernel, which raises `flags[device]` where a norm is non-finite: pass the ballot's flags
-        where [`exact_norm_check()`][exact_norm_check] holds), then reduced in one, straight into
-        `out` (more for p other than 1, 2 and inf, or several replica counts). So the kernels per
-        step grow with the number of groups, never with the number of tensors.
-
-        The share is `sum |g * inv_scale|_p^p / r` (the max for the inf-norm), zero without
-        gradient elements, non-finite where a norm was.
-        """
-        device = out.device
-        if device not in flags:
-            flags[device] = torch.zeros((), dtype=torch.float32, device=device)
-        pieces: dict[int, list[torch.Tensor]] = {}
-        for (_device, _dtype, replicas), grads in groups.items():
-            pieces.setdefault(replicas, []).append(move(_norms(grads, norm_type), device))
-        reduce = torch.amax if math.isinf(norm_type) else torch.sum
-        share: torch.Tensor | None = None
-        for replicas, parts in pieces.items():
-            size = sum(map(torch.Tensor.numel, parts))
-            norms = torch.cat(parts, out=torch.empty(size, dtype=torch.float32, device=device))
-            check_and_unscale_([norms], flags[device], move(inv_scale, device))
-            direct = len(pieces) == 1 and (replicas == 1 or math.isinf(norm_type))
-            if norm_type == 2.0:  # the common case in one kernel: a dot product
-                part = torch.dot(norms, norms, out=out) if direct else torch.dot(norms, norms)
-            elif norm_type == 1.0 or math.isinf(norm_type):
-                part = reduce(norms, 0, out=out) if direct else reduce(norms, 0)
-            else:
-                part = norms.pow(norm_type).sum()
-            if replicas != 1 and not math.isinf(norm_type):  # a max: replicas need no weight
-                part = part / replicas
-            if share is not None:
-                part = torch.maximum(share, part) if math.isinf(norm_type) else share + part
-            share = part
-        if share is None:
-            out.zero_()
-        elif share is not out:
-            out.copy_(share)
-
-    def clip_(
-        self,
-        groups: NormGroups,
-        max_norm: float,
-        total_norm: torch.Tensor,
-        inv_scale: torch.Tensor | None,
-        found_inf: torch.Tensor | None,
-    ) -> None:
-        """Pass 2: multiply every gradient by `inv_scale * min(1, max_norm / (total + 1e-6))`.
-
-        On the device, without a host synchronisation, in five scalar kernels and one per group.
-        On an overflow (`found_inf` 1.0: the step will be skipped) it only unscales, where torch
-        would turn the gradients to NaN, so that what overflowed can still be seen. A norm that
-        is non-finite without an overflow (p-th powers beyond float32's range, p > 2) clips to
-        zero, as torch does. Without `found_inf` (a disabled scaler, which skips nothing) it
-        clips exactly as torch does: a non-finite norm turns the gradients to 0 or NaN.
-        """
-        device = total_norm.device
-        known = self._max_norm.get(device)
-        if known is None or known[0] != max_norm:
-            full = torch.full((), max_norm, dtype=torch.float32, device=device)
-            known = self._max_norm[device] = (max_norm, full)
-        coef = torch.div(known[1], total_norm + _CLIP_EPS)
-        if found_inf is None:  # torch's clamp, which keeps a NaN
-            factor = torch.clamp(coef, max=1.0)
-        else:  # fmin/fmax ignore a NaN (a NaN norm: an overflow), so an overflow gives exactly 1
-            factor = torch.fmax(torch.fmin(coef, self.one(device)), found_inf)
-        if inv_scale is not None:
-            factor = factor * move(inv_scale, device)
-        self.multiply_(groups, factor)
-
-
-def _norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """Per-tensor p-norms, taken in float64 where their p-th powers need it, never overflowing
-    for finite elements ([`Kernels`][], pass 1).
-
-    On an accelerator one 1-D float64 tensor: one `_foreach_norm`, stacked in one kernel (a
-    launch per ~128 norms on CUDA; concatenated into float32 with the other groups' instead, each
-    norm took a launch of its own, as the first GPU run counted: 428 for 400 tensors). On the CPU
-    one 1-D float32 tensor.
-    """
-    if math.isinf(norm_type):  # an empty shard's inf-norm raises; its every p-norm is 0
-        device, grads = grads[0].device, [grad for grad in grads if grad.numel()]
-        if not grads:  # this rank still joins the collective, with a share of 0
-            return torch.zeros(1, dtype=torch.float32, device=device)
-    if grads[0].device.type != "cpu":
-        return torch.stack(foreach_norm(grads, norm_type, dtype=torch.float64))
-    norms = torch.stack(foreach_norm(grads, norm_type, dtype=torch.float32))
-    if math.isinf(norm_type) or bool(norms.isfinite().all()):  # a host read: free on the CPU
-        return norms
-    # a norm (not its p-th power) of finite elements fits float32
-    return torch.stack(foreach_norm(grads, norm_type, dtype=torch.float64)).float()

@@ -15,6 +15,10 @@ non-finite at the floor). Knowing that a step overflowed is itself one host read
 flag per step (free after a plain step, whose decision reads it anyway; one synchronisation per
 step after a fused step on an accelerator).
 
+Where the ranks met in the scaler's collective with different calls or states (the ballot's
+identity differs), [`name_mismatch`][] names each rank's, with one gather, in the same words on
+every rank.
+
 The other direction, [`find_underflowing_grads`][], counts per original parameter the elements
 below fp16's normal range, by `shardscale._bins`' one definition of "underflow".
 """
@@ -37,7 +41,7 @@ from torch import nn
 
 from shardscale._bins import underflow_counts
 from shardscale._config import timeout_option
-from shardscale._errors import ShardScaleWarning
+from shardscale._errors import ShardScaleMismatchError, ShardScaleWarning
 from shardscale._exchange import Exchange
 from shardscale._grads import move, original_slices
 from shardscale._policy import check_real
@@ -143,6 +147,25 @@ def locate_optimizers(
 
 
 Pieces = list[tuple[str, torch.Tensor]]  # (original name, local gradient elements)
+
+
+def name_mismatch(exchange: Exchange, mine: dict[str, str], step: int) -> ShardScaleMismatchError:
+    """The error for ranks whose ballots' identities differ (`shardscale._check`), naming each
+    rank's `mine` (its call, its state), gathered from every rank: call it on every rank (each
+    saw the mismatch in the same reduced tensor), and raise what it returns."""
+    ranks = exchange.gather_objects(mine, step, "what each rank's ballot was")
+    named = "; ".join(
+        f"rank {rank}: {cast(dict[str, str], them)['call']}, "
+        f"its state {cast(dict[str, str], them)['state']}"
+        for rank, them in enumerate(ranks)
+    )
+    return ShardScaleMismatchError(  # the same words on every rank: no step of its own
+        f"the {len(ranks)} ranks met in the scaler's collective with different calls or "
+        f"different scaler states (its identity differs), so their decisions would part: "
+        f"{named}. Every rank must make the same calls to the scaler "
+        "in the same order, and load the same state (a checkpoint loaded on some ranks "
+        "only, or a stale copy on one node, differs); nothing of this step was applied"
+    )
 
 
 def _pieces(named_params: Iterable[tuple[str, torch.Tensor]]) -> Pieces:

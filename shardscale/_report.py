@@ -179,7 +179,8 @@ class StepReporter:
         # The forward overflows counted so far (delivered, or loaded): a step that adds one was
         # skipped for its loss, not its gradients.
         self._forward_overflows = 0
-        self._failures: list[str] = []  # the listeners' failures, said by `warn_failures`
+        self.failures: list[str] = []
+        """The listeners' failures not said yet (`warn_failures` says them)."""
         self.lock = threading.RLock()
         """Held while an update moves the state and tells of it, and while `stats` is read: a
         thread reading `stats` (docs/reliability.md) sees one step's numbers whole, and takes
@@ -315,13 +316,13 @@ class StepReporter:
             try:
                 hook(stats)
             except Exception as error:  # a listener's failure is its own: said, not raised
-                self._failures.append(_hook_failed_message(hook, stats, error))
+                self.failures.append(_hook_failed_message(hook, stats, error))
 
     def warn_failures(self) -> None:
         """Say the listeners' failures since the last time, each once: called where the
         iteration is closed and every collective of the call is behind (where warnings are
         errors, this rank raises then, and goes on like its peers)."""
-        failures, self._failures = self._failures, []
+        failures, self.failures = self.failures, []
         for message in failures:
             warnings.warn(message, ShardScaleWarning, stacklevel=3)
 

@@ -47,7 +47,7 @@ from typing import Any, TypeAlias, cast
 import torch
 from torch.distributed.tensor import DTensor
 
-from shardscale._check import MAX_CHECKS, Agreement, Check, ClipRequest
+from shardscale._check import MAX_CHECKS, Agreement, Check
 from shardscale._config import ScalerConfig
 from shardscale._errors import GRAD_SCALER_WARNING, no_inf_checks_message, no_scale_message
 from shardscale._grads import move
@@ -433,9 +433,9 @@ class Steps:
         self.captured: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._max_retries = config.max_retries
         self._locate_overflow = config.locate_overflow
-        # The leaf optimizers stepped so far, weakly: a clip's steps take its verdict without a
-        # collective of their own only for those (`IterationBook._adopt_clip`).
-        self._known: dict[int, weakref.ref[torch.optim.Optimizer]] = {}
+        self.known: dict[int, weakref.ref[torch.optim.Optimizer]] = {}
+        """The leaf optimizers stepped so far, weakly: a clip's steps take its verdict without a
+        collective of their own only for those (`IterationBook._adopt_clip`)."""
         # The fused optimizers given a hook that agrees before torch's step body steps them.
         self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
@@ -476,7 +476,7 @@ class Steps:
                 book.loss_nonfinite = nonfinite if into is None else into.copy_(nonfinite)
             book.losses.append(value)
         if fit:  # which gradients form in fp16; each backward's, when accumulating
-            self.agreement.fp16.saw_loss(loss, book)
+            self.agreement.readings.fp16.saw_loss(loss, book)
         return loss_scale
 
     def iteration_scale(self, device: torch.device) -> torch.Tensor:
@@ -625,7 +625,7 @@ class Steps:
         its, and it is known to later clips."""
         record.stage = Stage.STEPPED
         self.last = record.verdict if record.verdict is not None else self.last
-        self._known.setdefault(id(record.optimizer), weakref.ref(record.optimizer))
+        self.known.setdefault(id(record.optimizer), weakref.ref(record.optimizer))
 
     # ------------------------------------------------------------------ unscale_, clip, update
 
@@ -681,48 +681,6 @@ class Steps:
         device = found_inf.device if isinstance(found_inf, torch.Tensor) else verdict.flags.device
         optimizer.found_inf = move(verdict.found_inf, device)  # type: ignore[attr-defined]
 
-    def clip(
-        self, params: list[torch.Tensor], max_norm: float, norm_type: float, replicas: int
-    ) -> torch.Tensor:
-        """`clip_grad_norm_` of `params` (see there): the total norm, agreed in one collective;
-        the book records what the clip unscaled and agreed, for the steps to take.
-
-        Raises:
-            RuntimeError: no rank holds a gradient for `params` (on every rank).
-        """
-        # False: unscale_() ran for these already, and they are clipped as they are
-        scaled = self.book.begin_clip(params)
-        ids = frozenset(map(id, params))
-        uncovered = scaled and self._left_out_here(ids)
-        request = ClipRequest(params, max_norm, norm_type, replicas, scaled, uncovered)
-        scale = self.loss_scale("clip_grad_norm_", params)
-        result = self.agreement.clip(self.book, scale, request, self.book.waiting())
-        if scaled and result.verdict.has_grads:
-            known, world_size = frozenset(self._known), self.agreement.exchange.world_size
-            clipped = ClipRecord(ids, result.verdict, known, result.coverage, world_size)
-            self.book.clipped = clipped
-        self._settle()  # the checks unscale_() left waiting were agreed too
-        if not result.verdict.has_grads:
-            raise RuntimeError(
-                "clip_grad_norm_() got parameters none of which has a gradient on any of the "
-                f"{self.agreement.exchange.world_size} rank(s): call "
-                "scaler.scale(loss).backward() first"
-            )
-        self.agreement.warn_replicas_assumed(result, replicas)  # last: this rank's own
-        return result.total_norm
-
-    def _left_out_here(self, clipped: frozenset[int]) -> bool:
-        """Whether this rank holds a gradient, of an optimizer stepped before, that a clip of
-        the parameters `clipped` (their ids) leaves out."""
-        for ref in list(self._known.values()):
-            optimizer = ref()
-            if optimizer is None:
-                continue
-            for param in optimizer_params((optimizer,)):
-                if param.grad is not None and id(param) not in clipped:
-                    return True
-        return False
-
     def outcome(self, scale: torch.Tensor) -> Verdict | None:
         """The iteration's verdict, for `update()`: `unscale_()` without a `step()` agrees now.
         Its optimizers' verdicts combined, of those whose gradients some rank held (torch
@@ -763,9 +721,9 @@ class Steps:
         self.agreement.agree(self.book, scale, caller, own, groups, waiting)
         for record in unscale:
             record.stage = Stage.UNSCALED
-        self._settle()
+        self.settle()
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Give each record whose check was agreed just now its verdict (with a partial clip's);
         locate the overflow where asked."""
         settled = []

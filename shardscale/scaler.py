@@ -31,12 +31,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
 from shardscale import _compat
-from shardscale._check import Agreement, ClipRequest, check_clip_args
+from shardscale._check import Agreement
 from shardscale._checkpoint import parse_state_dict, state_numbers, to_state_dict
+from shardscale._clip import Clipping
 from shardscale._config import DEFAULT, ScalerConfig, warn_unused_by_the_fit
 from shardscale._errors import ShardScaleWarning
 from shardscale._exchange import Exchange
-from shardscale._grads import move, plain_replicas
+from shardscale._grads import move
 from shardscale._locate import NonFiniteGrad
 from shardscale._policy import ScalePolicy
 from shardscale._report import (
@@ -227,6 +228,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         # The iterations' bookkeeping; the step number, counted on the host too (the device
         # counts the steps for replayed graphs), names the step in messages without a read.
         self._steps = Steps(self, self._agreement, self._home, config)
+        self._clipping = Clipping(self._steps)
         self._reporter = StepReporter(config.max_consecutive_skips, config.max_overflows_at_floor)
 
     # ------------------------------------------------------------------ settings
@@ -479,13 +481,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
             ValueError, TypeError: `max_norm`, `norm_type` or `replica_group` breaks its
                 rule.
         """
-        max_norm, norm_type = check_clip_args(max_norm, norm_type)
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        replicas = plain_replicas(replica_group, self._agreement.exchange.world_size)
-        if self._enabled:
-            return self._steps.clip(params, max_norm, norm_type, replicas)
-        request = ClipRequest(params, max_norm, norm_type, replicas, scaled=False)
-        return self._agreement.clip(self._steps.book, None, request).total_norm
+        enabled, group = self._enabled, replica_group
+        return self._clipping.clip_grad_norm_(parameters, max_norm, norm_type, group, enabled)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Move the scale: back off if any optimizer skipped, grow after enough clean steps.
@@ -540,7 +537,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
             self._reporter.sound(alarm, located, taken, policy, float(state.scale.item()))
         # a listener's failure, said once the iteration is closed: where warnings are errors,
         # this rank raises here, and goes on like its peers
-        self._reporter.warn_failures()
+        if self._reporter.failures:
+            self._reporter.warn_failures()
 
     def record_overflow(self) -> None:
         """Take an overflow that a check outside this scaler found, for the step just taken.
@@ -713,7 +711,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             warnings.warn(differing, ShardScaleWarning, stacklevel=2)
         self._home.load(state)
         if not self.policy.fit:  # a fit switched off takes its reader's hooks with it
-            self._agreement.fp16.close()
+            self._agreement.readings.fp16.close()
         # nothing of the run before is left: its last step, overflow, meter reading, copies
         self._reporter.restart(state.counters)
         self._steps.restart(state.counters.steps)

@@ -467,7 +467,7 @@ def test_fit_reads_the_fp16_tensors_one_backward_at_a_time_and_ends_near_the_saf
         scaler.step(optimizer)
         scaler.update()
         skips += scaler.last_step_skipped
-    assert scaler._agreement.fp16.fp32_formed == {id(model.gain)}  # the gain is not read
+    assert scaler._agreement.readings.fp16.fp32_formed == {id(model.gain)}  # the gain is not read
     assert safe == SAFE_EXPONENT[micro]  # the model as documented
     assert math.log2(scaler.get_scale()) == safe - FIT_MARGIN
     assert skips == 0
@@ -487,7 +487,7 @@ def test_fit_tells_the_gradients_formed_in_fp16_from_those_formed_in_fp32() -> N
     model = Mixed()
     scaler = ShardedGradScaler(scale_policy="fit")
     scaler.scale(model(torch.randn(3, 8), torch.tensor([0, 1, 2])).sum()).backward()
-    fp32 = scaler._agreement.fp16.fp32_formed
+    fp32 = scaler._agreement.readings.fp16.fp32_formed
     formed = {name: "fp32" if id(p) in fp32 else "fp16" for name, p in model.named_parameters()}
     assert formed == {
         "gain": "fp32",  # an elementwise product: fp32 under autocast
@@ -506,7 +506,7 @@ def test_fit_reads_every_gradient_of_a_model_in_fp16_and_of_one_without_fp16() -
         model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)).to(dtype)
         scaler = ShardedGradScaler(scale_policy="fit")
         scaler.scale(model(torch.randn(2, 8, dtype=dtype)).float().sum()).backward()
-        assert scaler._agreement.fp16.fp32_formed == frozenset()
+        assert scaler._agreement.readings.fp16.fp32_formed == frozenset()
 
 
 def test_fit_under_torch_compile_reads_everything_and_says_so_once() -> None:
@@ -517,7 +517,8 @@ def test_fit_under_torch_compile_reads_everything_and_says_so_once() -> None:
         loss = compiled(torch.randn(2, 8)).float().sum()
     with pytest.warns(ShardScaleWarning, match=r"cannot tell how .* opaque \(torch.compile"):
         scaler.scale(loss)
-    assert scaler._agreement.fp16.fp32_formed == frozenset()  # the safe side: read them all
+    # the safe side: read them all
+    assert scaler._agreement.readings.fp16.fp32_formed == frozenset()
 
 
 def _ranks_gained_fsdp2(rank: int, world_size: int) -> tuple[list[float], int]:

@@ -172,7 +172,7 @@ def test_a_custom_function_is_read_and_warned_once() -> None:
     said = [str(w.message) for w in seen if issubclass(w.category, ShardScaleWarning)]
     assert len(said) == 1, said
     assert re.match(r"scale_policy='fit' cannot tell how 1 parameter.* Python", said[0]), said
-    assert id(model.inner.weight) not in scaler._agreement.fp16.fp32_formed
+    assert id(model.inner.weight) not in scaler._agreement.readings.fp16.fp32_formed
 
 
 def _hooks(param: torch.Tensor) -> int:
@@ -322,7 +322,7 @@ def _ranks_experts_to_local(rank: int, world_size: int, policy: str) -> dict[str
         warnings.simplefilter("always", ShardScaleWarning)
         for _step in range(20):
             skips += _expert_step(scaler, optimizer, dense, experts, rank)
-    fp32 = scaler._agreement.fp16.fp32_formed
+    fp32 = scaler._agreement.readings.fp16.fp32_formed
     return {"skips": skips, "experts_read": id(experts) not in fp32, "said": len(said)}
 
 

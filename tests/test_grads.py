@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from shardscale import ShardedGradScaler
-from shardscale._grads import GradWalk
+from shardscale._clip import NormWalk
+from shardscale._grads import grad_groups
 from tests.harness import run_ranks
 
 
@@ -27,17 +28,17 @@ def test_grad_walk_groups_by_device_and_dtype_and_replica_count() -> None:
     grads = [torch.zeros(4), torch.zeros(2, dtype=torch.float16), torch.zeros(8)]
     params = _params_with_grads(grads)
     params.append(nn.Parameter(torch.zeros(3)))  # no gradient: left out
-    groups, held = GradWalk().groups(params)
+    groups, held = grad_groups(params)
     cpu = torch.device("cpu")
     assert list(map(id, groups[(cpu, torch.float32)])) == [id(grads[0]), id(grads[2])]  # aliases
     assert list(map(id, groups[(cpu, torch.float16)])) == [id(grads[1])]
     assert held
-    norms, plain, _held = GradWalk().norm_groups(params, 2)
+    norms, plain, _held = NormWalk().groups(params, 2)
     assert set(norms) == {(cpu, torch.float32, 2), (cpu, torch.float16, 2)}
     assert plain  # plain tensors: their count is the caller's
     # an empty shard's gradient is held (torch records an inf check for it); none is not
-    assert GradWalk().groups(_params_with_grads([torch.zeros(0)]))[1] is True
-    assert GradWalk().groups([nn.Parameter(torch.zeros(3))])[1] is False
+    assert grad_groups(_params_with_grads([torch.zeros(0)]))[1] is True
+    assert grad_groups([nn.Parameter(torch.zeros(3))])[1] is False
 
 
 def _tiles(buffer: torch.Tensor, sizes: list[int], gap: int = 0) -> list[torch.Tensor]:
@@ -55,10 +56,10 @@ def test_clip_groups_take_gradients_tiling_one_buffer_as_one_view() -> None:
     cpu = torch.device("cpu")
     buffer = torch.arange(40, dtype=torch.float32)
     views = _tiles(buffer[2:], [4, 6, 8])  # not from the buffer's start
-    (flat,) = GradWalk().norm_groups(_params_with_grads(views), 1)[0][(cpu, torch.float32, 1)]
+    (flat,) = NormWalk().groups(_params_with_grads(views), 1)[0][(cpu, torch.float32, 1)]
     assert flat.data_ptr() == views[0].data_ptr()
     assert torch.equal(flat, buffer[2:20])
-    assert GradWalk().groups(_params_with_grads(views))[0][(cpu, torch.float32)] == views
+    assert grad_groups(_params_with_grads(views))[0][(cpu, torch.float32)] == views
     not_tiled = {
         "a gap (FSDP2's padding)": _tiles(buffer, [4, 6], gap=2),
         "out of order": _tiles(buffer, [4, 6])[::-1],
@@ -68,7 +69,7 @@ def test_clip_groups_take_gradients_tiling_one_buffer_as_one_view() -> None:
         "the meta device": _tiles(torch.zeros(40, device="meta"), [4, 6]),
     }
     for why, grads in not_tiled.items():
-        groups = GradWalk().norm_groups(_params_with_grads(grads), 1)[0]
+        groups = NormWalk().groups(_params_with_grads(grads), 1)[0]
         assert list(map(id, next(iter(groups.values())))) == list(map(id, grads)), why
 
 
@@ -107,9 +108,8 @@ def test_clip_of_tiled_gradients_matches_torch_and_reads_only_their_elements(
 
 def test_grad_walk_keeps_no_gradient_alive() -> None:
     params = _params_with_grads([torch.ones(4), torch.ones(4)])
-    walk = GradWalk()
-    walk.groups(params)
-    walk.norm_groups(params, 1)
+    grad_groups(params)
+    NormWalk().groups(params, 1)
     watched = weakref.ref(params[0].grad)  # type: ignore[arg-type]
     for param in params:
         param.grad = None  # zero_grad(set_to_none=True)
@@ -120,7 +120,7 @@ def test_grad_walk_keeps_no_gradient_alive() -> None:
 def test_sparse_gradients_are_coalesced_in_place() -> None:
     embedding = nn.Embedding(10, 4, sparse=True)
     embedding(torch.tensor([1, 1, 2])).sum().backward()
-    groups, _held = GradWalk().groups(embedding.parameters())
+    groups, _held = grad_groups(embedding.parameters())
     assert embedding.weight.grad.is_coalesced()  # type: ignore[union-attr]
     ((values,),) = groups.values()
     assert values.shape == (2, 4)  # rows 1 (twice, summed) and 2
@@ -237,13 +237,13 @@ def _rank_replica_counts_follow_the_gradients_layout(rank: int, world_size: int)
 
     mesh = init_device_mesh("cpu", (world_size,))
     param = nn.Parameter(DTensor.from_local(torch.zeros(4), mesh, [Shard(0)]))
-    walk = GradWalk()
+    walk = NormWalk()
     counts = []
     # a new, equal spec each time (DTensor.from_local); the placements change in the middle
     for placement in (Shard(0), Shard(0), Replicate(), Replicate(), Shard(0)):
         local = torch.ones(4 if isinstance(placement, Shard) else 4 * world_size)
         param.grad = DTensor.from_local(local, mesh, [placement])
-        groups, plain, _held = walk.norm_groups([param], world_size)
+        groups, plain, _held = walk.groups([param], world_size)
         assert not plain
         ((_device, _dtype, replicas),) = groups
         counts.append(replicas)
