@@ -367,7 +367,7 @@ class Readings:
         if counting and counts:
             torch.sum(torch.stack([move(c, bins.device) for c in counts]), 0, out=bins)
 
-    def take(
+    def keep(
         self,
         book: Any,
         peaks: torch.Tensor,

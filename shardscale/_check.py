@@ -422,7 +422,7 @@ class Agreement:
         fit = self.home.host.policy.fit
         if fit or counting:  # what they read, now the group's (the seam: class docstring)
             bins = ballot.bins if counting else None
-            self.readings.take(book, ballot.peaks, bins, ballot.device, fit)
+            self.readings.keep(book, ballot.peaks, bins, ballot.device, fit)
         if not ballot.has_scale:  # the group confirmed that some rank scaled
             self.home.confirm()
         self.agreed_once = True

@@ -26,9 +26,9 @@ Clipping takes two passes over the gradients, whatever the layout:
    exactly their elements (a norm ~2 us per tensor there; the view 0.5 us: docs/benchmarks.md).
 2. read+write: multiply by `inv_scale * min(1, max_norm / (total + 1e-6))`, after the agreement.
 
-What a clip unscaled and agreed is the iteration's
-([`ClipRecord`][shardscale._stepping.ClipRecord]): the steps after it take its verdict by the
-rule of `shardscale._stepping`.
+What a clip unscaled and agreed is the iteration's ([`ClipRecord`][], in its book): the steps
+after it ask it whether they take its verdict ([`ClipRecord.adopts`][], the clip's rule), through
+the one question `shardscale._stepping` asks of a clip.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from shardscale._check import LIST_BITS, Ballot, Check, Iteration, Layout, waiti
 from shardscale._errors import ShardScaleWarning
 from shardscale._grads import Flags, NormGroups, local_grads, move
 from shardscale._state import Flag, Verdict
-from shardscale._stepping import ClipRecord, Steps, optimizer_params
+from shardscale._stepping import IterationBook, OptimizerRecord, Stage, Steps, optimizer_params
 from shardscale._torch import (
     check_and_unscale_,
     dtensor_spec,
@@ -142,6 +142,79 @@ class ClipResult:
     total_norm: torch.Tensor
     coverage: torch.Tensor
     plain_on_a_stage: bool = False
+
+
+@dataclass(slots=True)
+class ClipRecord:
+    """What `clip_grad_norm_` unscaled and agreed on in this iteration, for steps to take (the
+    iteration's book holds it: `IterationBook.clipped`).
+
+    Attributes:
+        known: The leaf optimizers (ids) stepped before the clip: a step after it takes its
+            verdict by what the clip's collective said of them ([`adopts`][ClipRecord.adopts]).
+        coverage: The clip's reduced coverage slots (`shardscale._check.Layout.COVERAGE`): how
+            many ranks held gradients it left out, of those optimizers; then its list's bits.
+        world_size: The group's size, by which the list's bits are read.
+    """
+
+    param_ids: frozenset[int]
+    verdict: Verdict
+    known: frozenset[int] = frozenset()
+    coverage: torch.Tensor | None = None
+    world_size: int = 1
+    _read: list[float] | None = None
+
+    def adopts(self, record: OptimizerRecord) -> bool:
+        """Whether `record` takes the clip's unscale and verdict (it takes them then), with no
+        collective of its own: where every rank does, the clip having covered every parameter
+        of its optimizer, or every one holding a gradient on any rank (a clip list each rank
+        built from its own gradients, MoE tokens reaching other experts on each). A clip over
+        some of them leaves the rest to be checked at its own agreement.
+
+        Decided alike on every rank, never by which parameters this rank alone holds a gradient
+        for, from what the clip's collective said (read where needed, once: one host read). For
+        an optimizer stepped before the clip: a rank whose list covered its parameters takes the
+        verdict; one holding a gradient its list left out checks the rest; one whose list left
+        out only parameters without a gradient here checks the rest where any rank held a
+        gradient the clip left out (lists built by the same code on every rank decide alike).
+        For one stepped for the first time, whose parameters the clip could not know: where
+        every rank passed a list alike (of one length: the same code's fixed list), it left the
+        same parameters out everywhere, and those are checked; where the lists differ (built
+        per rank from their own gradients), every rank checks the rest, at a collective of its
+        own (that first step only).
+        """
+        if record.stage is not Stage.READY or record.clipped is not None:
+            return False
+        params = list(optimizer_params((record.optimizer,)))
+        left_out = [param for param in params if id(param) not in self.param_ids]
+        if id(record.optimizer) in self.known:
+            checks_rest = bool(left_out) and (_any_grad(left_out) or self.uncovered_anywhere())
+        else:
+            checks_rest = bool(left_out) or not self.lists_alike()
+        if checks_rest:
+            if len(left_out) < len(params):
+                record.clipped = self
+            return False
+        record.verdict = self.verdict
+        record.stage = Stage.UNSCALED
+        return True
+
+    def uncovered_anywhere(self) -> bool:
+        """Whether some rank held gradients the clip left out, of optimizers stepped before it
+        (one host read, the first time: shared with `lists_alike`)."""
+        return bool(self._coverage()[0])
+
+    def lists_alike(self) -> bool:
+        """Whether every rank passed a list of the same length (every bit slot 0 or W;
+        always, at world size 1, where nothing is read)."""
+        if self.world_size == 1:
+            return True
+        return all(bit in (0.0, self.world_size) for bit in self._coverage()[1:])
+
+    def _coverage(self) -> list[float]:
+        if self._read is None:
+            self._read = [] if self.coverage is None else self.coverage.tolist()
+        return self._read or [0.0]
 
 
 class NormWalk:
@@ -257,7 +330,7 @@ class Clipping:
         """
         steps = self.steps
         # False: unscale_() ran for these already, and they are clipped as they are
-        scaled = steps.book.begin_clip(params)
+        scaled = self._begin(steps.book, params)
         ids = frozenset(map(id, params))
         uncovered = scaled and self._left_out_here(ids)
         request = ClipRequest(params, max_norm, norm_type, replicas, scaled, uncovered)
@@ -277,6 +350,29 @@ class Clipping:
         if result.plain_on_a_stage and not self._warned:  # last: this rank's own diagnostic
             self._warned = warn_plain_replicas_assumed(replicas, world_size)
         return result.total_norm
+
+    def _begin(self, book: IterationBook, params: list[torch.Tensor]) -> bool:
+        """Whether `clip_grad_norm_`'s gradients still carry the scale (False: `unscale_()`
+        divided it out of every one of them: they are clipped as they are).
+
+        Raises:
+            RuntimeError: the clip was called already since the last update, or after some,
+                but not all, of its parameters were unscaled.
+        """
+        if book.clipped is not None:
+            raise RuntimeError("clip_grad_norm_() has already been called since the last update().")
+        ids = frozenset(map(id, params))
+        done: set[int] = set()  # the parameters unscaled already
+        for record in book.records.values():
+            if record.stage is not Stage.READY:
+                done.update(map(id, optimizer_params((record.optimizer,))))
+        if ids & done and not ids <= done:
+            raise RuntimeError(
+                "clip_grad_norm_() got parameters of which some, but not all, were already "
+                "unscaled by unscale_(): clip each optimizer's parameters after its unscale_(), "
+                "or all of them before any unscale_()"
+            )
+        return not (done and ids <= done)
 
     def _left_out_here(self, clipped: frozenset[int]) -> bool:
         """Whether this rank holds a gradient, of an optimizer stepped before, that a clip of
@@ -543,3 +639,7 @@ def _norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         return norms
     # a norm (not its p-th power) of finite elements fits float32
     return torch.stack(foreach_norm(grads, norm_type, dtype=torch.float64)).float()
+
+
+def _any_grad(params: Iterable[torch.Tensor]) -> bool:
+    return any(param.grad is not None for param in params)

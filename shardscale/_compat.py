@@ -25,16 +25,18 @@ optimizer's step, which it runs itself, agrees first (`shardscale._stepping`).
 
 from __future__ import annotations
 
+import functools
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
 from torch.amp.grad_scaler import OptState
 
-from shardscale._errors import ShardScaleWarning
-from shardscale._grads import Flags, Kernels, grad_groups
-from shardscale._state import combined
+from shardscale._errors import ShardScaleWarning, no_inf_checks_message
+from shardscale._grads import Flags, Kernels, grad_groups, move
+from shardscale._state import Verdict, combined
 from shardscale._stepping import (
     IterationBook,
     OptimizerRecord,
@@ -287,6 +289,52 @@ def maybe_opt_step(
     `step()` is torch's body overrides (calling that would recurse).
     """
     return scaler._steps.take(optimizer, None, args, kwargs)
+
+
+class TorchBody:
+    """What torch's step body needs of a fused optimizer it steps itself.
+
+    That body (subclasses and framework scalers written on torch.amp) calls `unscale_()`, then
+    steps a fused optimizer itself, handing it the flags `_per_optimizer_states` holds: this
+    rank's own while the check waits. A hook on the optimizer's step agrees first (the
+    collective this scaler's step would issue there, on every rank that runs the body) and
+    hands it the agreed flag instead. Registered once per optimizer, at the `unscale_()` that
+    leaves its check waiting; it does nothing where the flag handed is the agreed one already
+    (this scaler's own step), or where none is (no scaler's step).
+    """
+
+    def __init__(self, steps: Steps) -> None:
+        self.steps = steps
+        self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+    def agree_first(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Hook each of `optimizers` (fused, left waiting by `unscale_()`), once."""
+        for optimizer in optimizers:
+            register = getattr(optimizer, "register_step_pre_hook", None)
+            if register is not None and optimizer not in self._hooked:
+                self._hooked.add(optimizer)
+                # weakly: a dropped scaler's hooks must not keep its steps alive
+                register(functools.partial(_agree_first, weakref.ref(self.steps)))
+
+
+def _agree_first(steps: weakref.ref[Steps], optimizer: Any, args: Any, kwargs: Any) -> None:
+    """A fused optimizer's step pre-hook (`TorchBody`): agree first, while the scaler lives.
+
+    Raises:
+        RuntimeError: no rank held a gradient when `unscale_()` checked it (as this scaler's
+            own step raises there: the gradients since were never checked).
+    """
+    alive = steps()
+    record = None if alive is None else alive.book.records.get(id(optimizer))
+    found_inf = getattr(optimizer, "found_inf", None)  # torch's sum: the int 0 of no flag
+    if alive is None or record is None or record.waiting_flags() is None or found_inf is None:
+        return
+    alive.agree(alive.loss_scale("step", optimizer), "step")
+    verdict = cast(Verdict, record.verdict)
+    if not verdict.has_grads:
+        raise RuntimeError(no_inf_checks_message(alive.agreement.exchange.world_size))
+    device = found_inf.device if isinstance(found_inf, torch.Tensor) else verdict.flags.device
+    optimizer.found_inf = move(verdict.found_inf, device)
 
 
 def torch_view(name: str, read: Callable[[Any], Any], instead: str) -> property:

@@ -32,24 +32,22 @@ leaves one call checks share its verdict (one check).
 
 from __future__ import annotations
 
-import inspect
 import operator
 import sys
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import partial
 from itertools import chain
-from typing import Any, TypeAlias, cast
+from typing import Any, Protocol, TypeAlias, cast
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from shardscale._check import MAX_CHECKS, Agreement, Check
 from shardscale._config import ScalerConfig
-from shardscale._errors import GRAD_SCALER_WARNING, no_inf_checks_message, no_scale_message
+from shardscale._errors import no_inf_checks_message, no_scale_message
 from shardscale._grads import move
 from shardscale._locate import NonFiniteGrad, locate_optimizers, log_located
 from shardscale._state import Flag, ScaleHome, Verdict, combined, device_path
@@ -71,41 +69,15 @@ _DEVICE = operator.attrgetter("device")
 Stage = Enum("Stage", "READY UNSCALED STEPPED", start=0)
 
 
-@dataclass(slots=True)
-class ClipRecord:
-    """What `clip_grad_norm_` unscaled and agreed on in this iteration, for steps to take.
-
-    Attributes:
-        known: The leaf optimizers (ids) stepped before the clip: a step after it takes its
-            verdict by what the clip's collective said of them (`IterationBook._adopt_clip`).
-        coverage: The clip's reduced coverage slots (`shardscale._check.Layout.COVERAGE`): how
-            many ranks held gradients it left out, of those optimizers; then its list's bits.
-        world_size: The group's size, by which the list's bits are read.
-    """
+class Clipped(Protocol):
+    """What a `clip_grad_norm_` of the iteration unscaled and agreed
+    ([`ClipRecord`][shardscale._clip.ClipRecord]): the steps after it ask it whether an
+    optimizer's record takes its unscale and verdict, by the clip's rule (there)."""
 
     param_ids: frozenset[int]
     verdict: Verdict
-    known: frozenset[int] = frozenset()
-    coverage: torch.Tensor | None = None
-    world_size: int = 1
-    _read: list[float] | None = None
 
-    def uncovered_anywhere(self) -> bool:
-        """Whether some rank held gradients the clip left out, of optimizers stepped before it
-        (one host read, the first time: shared with `lists_alike`)."""
-        return bool(self._coverage()[0])
-
-    def lists_alike(self) -> bool:
-        """Whether every rank passed a list of the same length (every bit slot 0 or W;
-        always, at world size 1, where nothing is read)."""
-        if self.world_size == 1:
-            return True
-        return all(bit in (0.0, self.world_size) for bit in self._coverage()[1:])
-
-    def _coverage(self) -> list[float]:
-        if self._read is None:
-            self._read = [] if self.coverage is None else self.coverage.tolist()
-        return self._read or [0.0]
+    def adopts(self, record: OptimizerRecord) -> bool: ...
 
 
 def optimizer_params(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
@@ -137,7 +109,7 @@ class OptimizerRecord:
     stage: Stage = Stage.READY
     check: Check | None = None
     verdict: Verdict | None = None
-    clipped: ClipRecord | None = None
+    clipped: Clipped | None = None
 
     def waiting_flags(self) -> dict[torch.device, torch.Tensor] | None:
         """What `unscale_()` found here while the agreement on it is still to come (None: not
@@ -184,7 +156,7 @@ class IterationBook:
     step: int
     loss_scale: torch.Tensor | None = None
     records: dict[int, OptimizerRecord] = field(default_factory=dict)
-    clipped: ClipRecord | None = None
+    clipped: Clipped | None = None
     checks: list[Check] = field(default_factory=list)
     collectives: int = 0
     loss_nonfinite: torch.Tensor | None = None
@@ -232,7 +204,7 @@ class IterationBook:
         to_check, adopted = [], []
         for optimizer in chain.from_iterable(map(_LEAVES, targets)):
             record = self.record(optimizer)
-            if self.clipped is not None and self._adopt_clip(record, self.clipped):
+            if self.clipped is not None and self.clipped.adopts(record):
                 adopted.append(record)
             elif record.stage is Stage.UNSCALED:
                 raise RuntimeError(
@@ -261,72 +233,10 @@ class IterationBook:
                 if record.stage is Stage.STEPPED:
                     raise RuntimeError("step() has already been called since the last update().")
                 records.append(record)
-                if self.clipped is not None and self._adopt_clip(record, self.clipped):
+                if self.clipped is not None and self.clipped.adopts(record):
                     adopted.append(record)
             recorded.append((target, records))
         return recorded, adopted
-
-    def begin_clip(self, params: list[torch.Tensor]) -> bool:
-        """Whether `clip_grad_norm_`'s gradients still carry the scale (False: `unscale_()`
-        divided it out of every one of them: they are clipped as they are).
-
-        Raises:
-            RuntimeError: the clip was called already since the last update, or after some,
-                but not all, of its parameters were unscaled.
-        """
-        if self.clipped is not None:
-            raise RuntimeError("clip_grad_norm_() has already been called since the last update().")
-        ids = frozenset(map(id, params))
-        done: set[int] = set()  # the parameters unscaled already
-        for record in self.records.values():
-            if record.stage is not Stage.READY:
-                done.update(map(id, optimizer_params((record.optimizer,))))
-        if ids & done and not ids <= done:
-            raise RuntimeError(
-                "clip_grad_norm_() got parameters of which some, but not all, were already "
-                "unscaled by unscale_(): clip each optimizer's parameters after its unscale_(), "
-                "or all of them before any unscale_()"
-            )
-        return not (done and ids <= done)
-
-    def _adopt_clip(self, record: OptimizerRecord, clipped: ClipRecord) -> bool:
-        """Take `clip_grad_norm_`'s unscale and verdict for `record`, with no collective of its
-        own, where every rank does: the clip covered every parameter of its optimizer, or every
-        one holding a gradient on any rank (a clip list each rank built from its own gradients,
-        MoE tokens reaching other experts on each). A clip over some of them leaves the rest to
-        be checked at its own agreement.
-
-        Decided alike on every rank, never by which parameters this rank alone holds a gradient
-        for, from what the clip's collective said (read where needed, once: one host read). For
-        an optimizer stepped before the clip: a rank whose list covered its parameters takes the
-        verdict; one holding a gradient its list left out checks the rest; one whose list left
-        out only parameters without a gradient here checks the rest where any rank held a
-        gradient the clip left out (lists built by the same code on every rank decide alike).
-        For one stepped for the first time, whose parameters the clip could not know: where
-        every rank passed a list alike (of one length: the same code's fixed list), it left the
-        same parameters out everywhere, and those are checked; where the lists differ (built
-        per rank from their own gradients), every rank checks the rest, at a collective of its
-        own (that first step only).
-        """
-        if record.stage is not Stage.READY or record.clipped is not None:
-            return False
-        params = list(optimizer_params((record.optimizer,)))
-        left_out = [param for param in params if id(param) not in clipped.param_ids]
-        if id(record.optimizer) in clipped.known:
-            checks_rest = bool(left_out) and (_any_grad(left_out) or clipped.uncovered_anywhere())
-        else:
-            checks_rest = bool(left_out) or not clipped.lists_alike()
-        if checks_rest:
-            if len(left_out) < len(params):
-                record.clipped = clipped
-            return False
-        record.verdict = clipped.verdict
-        record.stage = Stage.UNSCALED
-        return True
-
-
-def _any_grad(params: Iterable[torch.Tensor]) -> bool:
-    return any(param.grad is not None for param in params)
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,35 +304,18 @@ def leaves(target: object) -> list[torch.optim.Optimizer]:
     return list(chain.from_iterable(map(_LEAVES, steppables(target))))
 
 
-def passes_itself(optimizer: object) -> bool:
-    """Whether torch's scalers would call `optimizer.step(grad_scaler=scaler)`: it declares
-    `_step_supports_amp_scaling` and its `step()` has a `grad_scaler` parameter (inspected on
-    every step, as torch does, but only for optimizers that declare the first)."""
-    step = getattr(optimizer, "step", None)
-    if not getattr(optimizer, "_step_supports_amp_scaling", False) or step is None:
-        return False
-    try:
-        return "grad_scaler" in inspect.signature(step).parameters
-    except (TypeError, ValueError):  # a builtin without a signature
-        return False
-
-
 class Steps:
     """A scaler's iterations, one after another: the book of the one under way, and every call
     that records in it, plans a step from it, or takes its outcome.
 
     Args:
-        scaler: the scaler whose steps these are.
         agreement: the checks and the one collective (`shardscale._check`).
         home: the scale state, and whether this rank holds one.
         config: the scaler's options; read here: `max_retries` (the closure's reruns) and
             `locate_overflow` (on overflow steps, find and log the non-finite gradients).
     """
 
-    def __init__(self, scaler: Any, agreement: Agreement, home: ScaleHome, config: ScalerConfig):
-        # What torch's deprecated protocol hands the optimizer. Weakly: the scaler owns its
-        # steps, and a cycle would keep a dropped scaler (and the fit's hooks) alive until a gc.
-        self._scaler = weakref.ref(scaler)
+    def __init__(self, agreement: Agreement, home: ScaleHome, config: ScalerConfig):
         self.agreement = agreement
         self.home = home
         self.book = IterationBook(step=home.host.counters.steps + 1)
@@ -435,9 +328,7 @@ class Steps:
         self._locate_overflow = config.locate_overflow
         self.known: dict[int, weakref.ref[torch.optim.Optimizer]] = {}
         """The leaf optimizers stepped so far, weakly: a clip's steps take its verdict without a
-        collective of their own only for those (`IterationBook._adopt_clip`)."""
-        # The fused optimizers given a hook that agrees before torch's step body steps them.
-        self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        collective of their own only for those (`shardscale._clip.ClipRecord.adopts`)."""
 
     def begin(self, step: int) -> None:
         """Start the iteration that takes step number `step`."""
@@ -527,14 +418,6 @@ class Steps:
         last run. The closure's batch runs again at a backed-off scale where its gradients (not
         its loss) overflowed on any rank, up to `max_retries` times; then it steps or skips as
         agreed."""
-        if passes_itself(optimizer):
-            if closure is not None:
-                raise RuntimeError(
-                    f"step(closure=...) cannot retry {type(optimizer).__name__}: its step() "
-                    "takes grad_scaler= (torch's deprecated protocol) and reads the scale "
-                    "itself; run the closure, then step(optimizer)"
-                )
-            return self._passing_itself(optimizer, args, kwargs)
         retries, loss = (0 if closure is None else self._max_retries), None
         for attempt in range(retries + 1):
             if closure is not None:  # this batch, from its start
@@ -554,19 +437,6 @@ class Steps:
         if closure is not None:
             return loss
         return results if isinstance(optimizer, (list, tuple)) else results[0]
-
-    def _passing_itself(self, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
-        """torch's deprecated protocol: call `optimizer.step(grad_scaler=scaler)`, warning.
-
-        The optimizer unscales and skips itself; what it reads back is the agreed state.
-        """
-        self.loss_scale("step", optimizer)
-        records = [self.book.record(leaf) for leaf in leaves(optimizer)]
-        warnings.warn(GRAD_SCALER_WARNING, FutureWarning, stacklevel=4)
-        result = optimizer.step(*args, **{**kwargs, "grad_scaler": self._scaler()})
-        for record in records:
-            self.stepped(record)
-        return result
 
     def _plan(self, target: object, scale: torch.Tensor) -> StepPlan:
         """Record `target`'s leaves for a `step()` and agree in the one collective: those not
@@ -629,17 +499,19 @@ class Steps:
 
     # ------------------------------------------------------------------ unscale_, clip, update
 
-    def unscale(self, optimizer: object) -> None:
+    def unscale(self, optimizer: object) -> list[torch.optim.Optimizer]:
         """`unscale_` of `optimizer`'s leaves: check and unscale, and agree at the next point
         that needs the decision, except on this scaler's first step: there a pipeline stage that
         never scaled must agree before it modifies anything, and every rank must then issue the
         same collectives, whichever stage it holds. It agrees at once too where the checks left
-        waiting would fill a ballot (`MAX_CHECKS`): a loop's calls, alike on every rank."""
+        waiting would fill a ballot (`MAX_CHECKS`): a loop's calls, alike on every rank.
+        Returns the fused optimizers whose check waits (torch's step body may step them itself:
+        `shardscale._compat.TorchBody`)."""
         scale = self.loss_scale("unscale_", optimizer)
         to_check, adopted = self.book.begin_unscale(steppables(optimizer))
         self._locate_if_overflowed(adopted)  # the clip's agreement knew no names
         if not to_check:
-            return
+            return []
         if not self.agreement.agreed_once or len(self.book.waiting()) >= MAX_CHECKS - 1:
             self.agree(scale, "unscale_", unscale=to_check)
         else:
@@ -647,39 +519,7 @@ class Steps:
             self.agreement.check_for_later(self.book, scale, check, _params_of(to_check))
         for record in to_check:
             record.stage = Stage.UNSCALED
-            if record.takes_scale and record.verdict is None:
-                self._agree_before_fused_step(record.optimizer)
-
-    def _agree_before_fused_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """torch's step body steps a fused optimizer itself, after `unscale_()`, handing it the
-        flags `_per_optimizer_states` holds: this rank's own while the check waits. A hook on
-        the optimizer's step agrees first (the collective this scaler's step would issue there,
-        on every rank that runs the body) and hands it the agreed flag instead. Registered once
-        per optimizer; it does nothing where the flag handed is the agreed one already (this
-        scaler's own step), or where none is (no scaler's step)."""
-        register = getattr(optimizer, "register_step_pre_hook", None)
-        if register is None or optimizer in self._hooked:
-            return
-        self._hooked.add(optimizer)
-        register(partial(_agree_first, weakref.ref(self)))
-
-    def agree_before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The hook's work (see [`_agree_before_fused_step`][_agree_before_fused_step]).
-
-        Raises:
-            RuntimeError: no rank held a gradient when `unscale_()` checked it (as this
-                scaler's own step raises there: the gradients since were never checked).
-        """
-        record = self.book.records.get(id(optimizer))
-        found_inf = getattr(optimizer, "found_inf", None)  # torch's sum: the int 0 of no flag
-        if record is None or record.waiting_flags() is None or found_inf is None:
-            return
-        self.agree(self.loss_scale("step", optimizer), "step")
-        verdict = cast(Verdict, record.verdict)
-        if not verdict.has_grads:
-            raise RuntimeError(no_inf_checks_message(self.agreement.exchange.world_size))
-        device = found_inf.device if isinstance(found_inf, torch.Tensor) else verdict.flags.device
-        optimizer.found_inf = move(verdict.found_inf, device)  # type: ignore[attr-defined]
+        return [r.optimizer for r in to_check if r.takes_scale and r.verdict is None]
 
     def outcome(self, scale: torch.Tensor) -> Verdict | None:
         """The iteration's verdict, for `update()`: `unscale_()` without a `step()` agrees now.
@@ -774,13 +614,6 @@ class Steps:
         step, exchange = self.book.step, self.agreement.exchange
         self.last_overflow = locate_optimizers(optimizers, exchange, step, losses)
         log_located(step, self.last_overflow, forward)
-
-
-def _agree_first(steps: weakref.ref[Steps], optimizer: Any, args: Args, kwargs: Kwargs) -> None:
-    """A fused optimizer's step pre-hook: agree first, while the scaler lives."""
-    alive = steps()
-    if alive is not None:
-        alive.agree_before_step(optimizer)
 
 
 def move_together(

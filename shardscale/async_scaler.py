@@ -58,8 +58,8 @@ from shardscale._errors import ShardScaleWarning
 from shardscale._exchange import Exchange
 from shardscale._report import ScalerStats
 from shardscale._state import device_path
-from shardscale._stepping import OptimizerTarget, leaves, passes_itself
-from shardscale.scaler import ShardedGradScaler
+from shardscale._stepping import OptimizerTarget, leaves
+from shardscale.scaler import ShardedGradScaler, passes_itself
 
 __all__ = ["AsyncShardedGradScaler"]
 

@@ -20,6 +20,7 @@ device (`shardscale._state`, `shardscale._policy`) and tells whoever listens
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
@@ -35,7 +36,7 @@ from shardscale._check import Agreement
 from shardscale._checkpoint import parse_state_dict, state_numbers, to_state_dict
 from shardscale._clip import Clipping
 from shardscale._config import DEFAULT, ScalerConfig, warn_unused_by_the_fit
-from shardscale._errors import ShardScaleWarning
+from shardscale._errors import GRAD_SCALER_WARNING, ShardScaleWarning
 from shardscale._exchange import Exchange
 from shardscale._grads import move
 from shardscale._locate import NonFiniteGrad
@@ -49,7 +50,7 @@ from shardscale._report import (
     stats_of,
 )
 from shardscale._state import Counters, ScaleHome, ScalerState
-from shardscale._stepping import OptimizerTarget, Steps
+from shardscale._stepping import OptimizerTarget, Steps, leaves
 
 __all__ = ["ShardedGradScaler"]
 
@@ -227,8 +228,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         self._agreement = Agreement(exchange, self._home, config)
         # The iterations' bookkeeping; the step number, counted on the host too (the device
         # counts the steps for replayed graphs), names the step in messages without a read.
-        self._steps = Steps(self, self._agreement, self._home, config)
+        self._steps = Steps(self._agreement, self._home, config)
         self._clipping = Clipping(self._steps)
+        self._torch_body = _compat.TorchBody(self._steps)
         self._reporter = StepReporter(config.max_consecutive_skips, config.max_overflows_at_floor)
 
     # ------------------------------------------------------------------ settings
@@ -381,7 +383,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 [`update()`][update]; or no rank holds a gradient for it.
         """
         if self._enabled:
-            self._steps.unscale(optimizer)
+            waiting = self._steps.unscale(optimizer)
+            if waiting:  # fused optimizers torch's step body may step itself: they agree first
+                self._torch_body.agree_first(waiting)
 
     def step(
         self,
@@ -427,12 +431,45 @@ class ShardedGradScaler(torch.amp.GradScaler):
             RuntimeError: step() already ran since [`update()`][update].
         """
         if self._enabled:
+            if passes_itself(optimizer):  # torch's deprecated protocol
+                return self._step_passing_itself(optimizer, closure, args, kwargs)
             return self._steps.take(optimizer, closure, args, kwargs)
         loss = None if closure is None else closure()
         listed = isinstance(optimizer, (list, tuple))
         targets: list[Any] = list(optimizer) if listed else [optimizer]  # type: ignore[arg-type]
         results = [target.step(*args, **kwargs) for target in targets]
         return loss if closure is not None else (results if listed else results[0])
+
+    def _step_passing_itself(
+        self,
+        optimizer: Any,
+        closure: Callable[[], Any] | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """torch's deprecated protocol, for an optimizer that [`passes_itself`][
+        shardscale.scaler.passes_itself]: `optimizer.step(grad_scaler=self)`, with torch's
+        warning. The optimizer unscales and skips itself; what it reads back
+        (`_check_inf_per_device`, `_found_inf_per_device`, `_get_scale_async`:
+        `shardscale._compat`) is the agreed state.
+
+        Raises:
+            RuntimeError: with a `closure`, which it cannot retry (the optimizer reads the scale).
+        """
+        if closure is not None:
+            raise RuntimeError(
+                f"step(closure=...) cannot retry {type(optimizer).__name__}: its step() "
+                "takes grad_scaler= (torch's deprecated protocol) and reads the scale "
+                "itself; run the closure, then step(optimizer)"
+            )
+        steps = self._steps
+        steps.loss_scale("step", optimizer)
+        records = [steps.book.record(leaf) for leaf in leaves(optimizer)]
+        warnings.warn(GRAD_SCALER_WARNING, FutureWarning, stacklevel=3)
+        result = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+        for record in records:
+            steps.stepped(record)
+        return result
 
     def clip_grad_norm_(
         self,
@@ -736,3 +773,16 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
 # torch's private members, answered apart from the public class (docs/migration.md's table)
 _compat.answer_torchs_members(ShardedGradScaler)
+
+
+def passes_itself(optimizer: object) -> bool:
+    """Whether torch's scalers would call `optimizer.step(grad_scaler=scaler)`: it declares
+    `_step_supports_amp_scaling` and its `step()` has a `grad_scaler` parameter (inspected on
+    every step, as torch does, but only for optimizers that declare the first)."""
+    step = getattr(optimizer, "step", None)
+    if not getattr(optimizer, "_step_supports_amp_scaling", False) or step is None:
+        return False
+    try:
+        return "grad_scaler" in inspect.signature(step).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
