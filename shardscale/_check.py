@@ -8,12 +8,13 @@ dtypes hold the gradients; a local check that `unscale_()` makes waits (a [`Chec
 verdict) for the next agreement, whose collective it joins, in a slot of its own.
 
 It works on gradients (the parameters' `.grad`, grouped by `shardscale._grads`, whose
-[`Kernels`][shardscale._grads.Kernels] check, unscale, take the norms and clip), never on
-optimizers: which optimizers a call covers, and what each went through in the iteration, is the
-bookkeeping of `shardscale._stepping`, which hands the parameters here, one [`Check`][] per call
-(a *unit*: its verdict is that call's optimizers'), and records the verdicts it gets back. The
-[`Agreement`][] carries what a rank learns across iterations: its gradient walks, its kernels'
-constants, its ballots' templates, which gradients the fit reads, whether it has agreed before.
+[`Kernels`][shardscale._grads.Kernels] check and unscale; a clip's norms are `shardscale._clip`'s),
+never on optimizers: which optimizers a call covers, and what each went through in the
+iteration, is the bookkeeping of `shardscale._stepping`, which hands the parameters here, one
+[`Check`][] per call (a *unit*: its verdict is that call's optimizers'), and records the verdicts
+it gets back. The [`Agreement`][] carries what a rank learns across iterations: its kernels'
+constants, its ballots' templates, the fit's and the meter's readers, whether it has agreed
+before.
 
 Each rank writes what it saw into ONE float32 tensor, its *ballot*, on the group's
 communication device, and the group runs ONE `all_reduce` (a SUM) on it, however many devices,

@@ -14,8 +14,9 @@ gradients still to check to the [`Agreement`][shardscale._check.Agreement] (whic
 checks and unscales them in one fused pass per (device, dtype), `shardscale._grads`, fills its
 ballot and agrees in the one collective, `shardscale._check`, which `shardscale._exchange` issues,
 bounded), then steps or skips as agreed; `update()` counts the step and moves the scale on the
-device (`shardscale._state`, `shardscale._policy`) and tells whoever listens
-(`shardscale._report`).
+device (`shardscale._state`, by the policy of `shardscale._policy`) and tells whoever listens
+(`shardscale._report`, entered where there is something to tell). `clip_grad_norm_()` is
+`shardscale._clip`'s, which agrees through the same ballot.
 """
 
 from __future__ import annotations

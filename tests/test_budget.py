@@ -4,7 +4,7 @@
   over 40 code lines, no module over 420; torch's private names (``torch._x``, ``from torch._x
   import``, ``from torch.x import _y``) in ``_torch.py`` only, each behind a name of ours that
   ``tests/test_torch_internals.py`` checks.
-- **Size**: the core package (``shardscale/``, ``integrations/`` left out) holds at most 3,980
+- **Size**: the core package (``shardscale/``, ``integrations/`` left out) holds at most 4,450
   lines of code (headroom, not a target). A code line holds a token that is neither a comment
   nor part of a docstring; attribute docstrings (a string right after an assignment in a class
   body) are docs, so moving them saves nothing. The brief's ceiling is 3,500: issues 47 to 49
@@ -22,12 +22,25 @@
   later one's keys; then to 3,980 (3,976 counted) for ``load_whole`` (``_dcp``, 140 lines):
   the recipe's load, whole or not at all, naming the file and the entry that failed, a
   library helper because that takes the checkpoint's metadata and reading entries one by one,
-  which no recipe should ask users to copy (docs/checkpoints.md says why).
+  which no recipe should ask users to copy (docs/checkpoints.md says why). Issue 67 (torch's
+  own protocol, exactly) and issue 68 (agreed by construction) raised it to 4,450 (4,379
+  counted): one verdict per optimizer, as torch's ``_per_optimizer_states`` keeps them (a
+  ballot unit per check, ``unscale_``'s checks waiting in slots of their own), a ballot of one
+  shape for the scaler's life with an identity whose mismatch raises the same named error on
+  every rank (on an accelerator: held on the device and raised at the update), torch's step
+  body agreeing before a fused optimizer steps, the live ``_per_optimizer_states`` view, a
+  clip's coverage read alike on every rank. The house's sixth pass (issue 71) then moved the
+  opt-in features out of a plain step's modules (``_clip``; the fit's and the meter's
+  ``Readings`` in ``_bins``; the mismatch's names in ``_locate``), 4,439 counted: the
+  seams' own lines (a module's imports, a class, a protocol) cost 60.
 - **Cycles**: no import cycle among the package's modules (every import counts, those under
   ``TYPE_CHECKING`` too).
 - **The walk**: one steady training step (the third; rank 0 of 2 gloo ranks, a small replicated
-  model, gradients all-reduced by hand) enters at most 7 of the package's modules for a plain
-  step + update, and at most 9 in every traced case. A reader who follows one step opens these.
+  model, gradients all-reduced by hand) enters at most 6 of the package's modules for a plain
+  step + update, holding at most 1,700 code lines between them (what a reviewer reads to follow
+  one plain step: 1,675 since issue 71, down from 2,438; its goal of 1,500 was not reached
+  without splitting the step's own modules, docs/index.md says what they hold), and at most 9
+  modules in every traced case. A reader who follows one step opens these.
   How many functions it enters is a reading aid, not a budget: a function split out to be read
   is worth more than one saved (the count is printed by ``../shared/tools/step_walk.py``).
 
@@ -55,10 +68,11 @@ PACKAGE = Path(shardscale.__file__).resolve().parent
 CORE = sorted(
     f for f in PACKAGE.rglob("*.py") if "integrations" not in f.relative_to(PACKAGE).parts
 )
-CODE_LINES = 3980
+CODE_LINES = 4450
 FUNCTION_LINES, MODULE_LINES = 40, 420
 TORCH_HOME = "_torch.py"
-PLAIN_WALK = 7  # modules
+PLAIN_WALK = 6  # modules
+PLAIN_WALK_LINES = 1700  # their code lines
 ANY_WALK = 9
 _LAYOUT = {
     tokenize.COMMENT,
@@ -264,3 +278,10 @@ def test_one_step_walks_within_budget() -> None:
         assert len(modules) <= budget, (
             f"{name} enters {len(modules)} modules, over its budget of {budget}: {modules}"
         )
+    plain = {
+        module: len(_code_lines((PACKAGE / module).read_text())) for module in walks["plain step"]
+    }
+    assert sum(plain.values()) <= PLAIN_WALK_LINES, (
+        f"a plain step's modules hold {sum(plain.values())} code lines, over its budget of "
+        f"{PLAIN_WALK_LINES}: {plain}"
+    )
