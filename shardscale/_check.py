@@ -23,9 +23,8 @@ size alone), whatever the call, the settings or the state, so that ranks whose c
 differ meet in a collective of one shape and find out ([`Layout`][]):
 
 ```text
-[has a scale, identity bits x 32, units x 8 [has gradients, skip, forward overflow],
- norm share, uncovered gradients, clip list bits x 16, inf-norm shares x W, fit peaks x W,
- meter bins x 128]
+[has a scale, identity bits x 32, units x 8 [has gradients, skip, forward overflow, clipped],
+ norm share, inf-norm shares x W, fit peaks x W, meter bins x 128]
 ```
 
 * has a scale: 0 for a rank that never called `scale()` (a pipeline stage before the last),
@@ -40,13 +39,12 @@ differ meet in a collective of one shape and find out ([`Layout`][]):
   waiting): has gradients (0 where this rank holds none for it), skip (1 if an inf or NaN is in
   its gradients here), forward overflow (1 if, besides, a loss this rank scaled in the
   iteration was inf or NaN: no scale helps that, the step is skipped with the scale held; a
-  non-finite loss that left every gradient finite is no overflow);
+  non-finite loss that left every gradient finite is no overflow), clipped (in a clip's
+  ballot, 1 where a waiting check holds some of the parameters this rank's clip covers: a
+  check some rank marks takes the clip's flags with its own, on every rank alike, so that no
+  optimizer steps on gradients an overflowing clip left unclipped);
 * norm share: this rank's part of a global p-norm (`clip_grad_norm_`), an inf-norm's share in
   this rank's own slot among W (its reduction is a max, taken after the SUM);
-* uncovered gradients: 1 where a clip left out gradients this rank holds for an optimizer it
-  stepped before; clip list bits: a 16-bit signature of the clip list (its length), which reads
-  0 or W in every slot where every rank passed a list alike (`shardscale._stepping`'s rule for
-  the steps after a clip reads them, where a rank's list left parameters out);
 * the fit's peaks (one slot per rank: the largest survives the SUM) and the meter's 128 counts
   (`shardscale._bins` makes and reads them; the ballot only carries them).
 
@@ -87,10 +85,10 @@ from shardscale._state import ScaleHome, Verdict
 # Checks one ballot carries at most: the call's own and those `unscale_()` left waiting (an
 # `unscale_()` that would leave more waiting agrees at once: `shardscale._stepping`).
 MAX_CHECKS = 8
-# Bits of the identity hash, and of a clip list's signature (module docstring).
-IDENTITY_BITS, LIST_BITS = 32, 16
+# Bits of the identity hash (module docstring).
+IDENTITY_BITS = 32
 # A check's slots, in its unit.
-Unit = IntEnum("Unit", "HAS SKIP FORWARD", start=0)
+Unit = IntEnum("Unit", "HAS SKIP FORWARD CLIPPED", start=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,13 +101,10 @@ class Layout:
     IDENTITY = slice(1, 1 + IDENTITY_BITS)
     UNITS = slice(IDENTITY.stop, IDENTITY.stop + len(Unit) * MAX_CHECKS)
     NORM = UNITS.stop
-    UNCOVERED = NORM + 1
-    LISTED = slice(UNCOVERED + 1, UNCOVERED + 1 + LIST_BITS)
-    COVERAGE = slice(UNCOVERED, LISTED.stop)  # what the steps after a clip read of it
 
     @property
     def inf_norms(self) -> slice:
-        return slice(self.LISTED.stop, self.LISTED.stop + self.world_size)
+        return slice(self.NORM + 1, self.NORM + 1 + self.world_size)
 
     @property
     def peaks(self) -> slice:
@@ -268,7 +263,7 @@ class Agreement:
                 own.reading = self._check_local(*read, counting)
             others = [(0, flag) for device, flag in flags.items() if device != ballot.skip().device]
             others += [(i, flag) for i, c in enumerate(checks) for flag in waiting_flags(c)]
-            self.fill(ballot, checks, counting)
+            self.fill(ballot, [check.reading for check in checks], counting)
             verdicts = self.vote(book, ballot, others, caller, None, counting)
             for check_, verdict in zip(checks, verdicts, strict=True):
                 check_.verdict = verdict
@@ -337,19 +332,21 @@ class Agreement:
         caller: str,
         checks: Sequence[Check],
         has_scale: bool,
-        clip: tuple[bool, int] = (False, 0),
+        clipped: tuple[bool, ...] = (),
     ) -> Ballot:
         """This rank's fresh ballot for `checks` (the call's own first, then those waiting), on
         the communication device for `device`, in one kernel (module docstring). Its
         forward-overflow slots start at 1 where some loss of the iteration was inf or NaN, else
-        at 0; the local check raises the skip slots itself ([`Ballot.skip`][Ballot.skip])."""
+        at 0; the local check raises the skip slots itself ([`Ballot.skip`][Ballot.skip]). A
+        clip's marks which checks hold some of its parameters here (`clipped`: their clipped
+        slots)."""
         if len(checks) > MAX_CHECKS:
             raise RuntimeError(f"a ballot carries at most {MAX_CHECKS} checks, got {len(checks)}")
         book.collectives += 1
         identity = self.identity(book, caller, len(checks))
         layout = Layout(self.exchange.world_size)
         has = tuple(check.has_grads for check in checks)
-        templates = self._templates_for(device, layout, identity, has, (has_scale, *clip))
+        templates = self._templates_for(device, layout, identity, has, (has_scale, clipped))
         loss_nonfinite = book.loss_nonfinite
         if loss_nonfinite is None:
             votes = templates[0].clone()
@@ -374,37 +371,38 @@ class Agreement:
         layout: Layout,
         identity: int,
         has: tuple[bool, ...],
-        scaled_clip: tuple[bool, bool, int],
+        marks: tuple[bool, tuple[bool, ...]],
     ) -> torch.Tensor:
         """A ballot's two rows (the second a non-finite loss's), on the communication device for
-        `device`: made once per identity, gradients held, has-a-scale, uncovered-gradients and
-        clip list slots (`scaled_clip`) and device by this agreement, and dying with it; by kernels
-        alone, no copy from the host, so that one first made while a CUDA graph captures the
-        step (a meter or clip step's shape) is legal there."""
-        has_scale, uncovered, listed = scaled_clip
-        key = (device, identity, has, scaled_clip)
+        `device`: made once per identity, gradients held, has-a-scale and clipped slots
+        (`marks`) and device by this agreement, and dying with it; by kernels alone, no copy
+        from the host, so that one first made while a CUDA graph captures the step (a meter or
+        clip step's shape) is legal there."""
+        has_scale, clipped = marks
+        key = (device, identity, has, marks)
         templates = self._templates.get(key)
         if templates is None:
             comm = self.exchange.comm_device(device)
             templates = torch.zeros((2, layout.size), dtype=torch.float32, device=comm)
             templates[:, Layout.SCALED].fill_(float(has_scale))
-            templates[:, Layout.UNCOVERED].fill_(float(uncovered))
-            _fill_bits(templates[:, Layout.LISTED], listed)
             _fill_bits(templates[:, Layout.IDENTITY], identity)
             units = templates[:, Layout.UNITS].view(2, MAX_CHECKS, len(Unit))
             for unit, held in enumerate(has):
                 units[:, unit, Unit.HAS].fill_(float(held))
+            for unit, shares in enumerate(clipped):
+                units[:, unit, Unit.CLIPPED].fill_(float(shares))
             units[1, : len(has), Unit.FORWARD].fill_(1.0)  # the row of a non-finite loss
             if len(self._templates) > 64:  # identities change with loads and settings
                 self._templates.clear()
             self._templates[key] = templates
         return templates
 
-    def fill(self, ballot: Ballot, checks: Sequence[Check], counting: bool) -> None:
-        """Write what the fit and the meter read of `checks` into the ballot (where they read)."""
-        readings = [check.reading for check in checks if check.reading is not None]
-        if readings:
-            self.readings.fill(ballot.peak_slot, ballot.bins, readings, counting)
+    def fill(self, ballot: Ballot, readings: Iterable[Reading | None], counting: bool) -> None:
+        """Write what the fit and the meter read (of a ballot's checks) into it, where they
+        read."""
+        read = [reading for reading in readings if reading is not None]
+        if read:
+            self.readings.fill(ballot.peak_slot, ballot.bins, read, counting)
 
     def vote(
         self,
@@ -472,7 +470,7 @@ class Agreement:
         if norm_type is not None and (raised or math.isinf(norm_type)):
             share = ballot.inf_norm_slot if math.isinf(norm_type) else ballot.norm
             share.masked_fill_(units[0, Unit.SKIP] > 0, math.inf)  # the overflow shows there
-        flags, head = units[:used, Unit.SKIP :], None  # [skip, forward] per check: Flag's order
+        flags, head = units[:used, Unit.SKIP : Unit.CLIPPED], None  # [skip, forward]: Flag's
         mismatch = None
         if self.exchange.world_size > 1:
             what = "the overflow flags" + (" and gradient norm" if norm_type is not None else "")
@@ -483,6 +481,8 @@ class Agreement:
             else:  # on an accelerator: a mismatch holds every check, raised at the update
                 mismatch = self._mismatch_on_device(ballot)
                 flags = torch.maximum(flags, mismatch)
+        if norm_type is not None and used > 1:  # a clip's, with checks waiting (agreed)
+            flags = _sharing_the_clip(flags, units[:used, Unit.CLIPPED])
         has = self._has_grads(ballot, head, caller)
         moved = move(flags, ballot.device)
         if mismatch is not None:
@@ -533,6 +533,14 @@ class Agreement:
 def waiting_flags(check: Check) -> list[torch.Tensor]:
     """The flags `unscale_()` raised for `check`, while it waits (none once agreed)."""
     return list(check.local_flags.values()) if check.local_flags and check.verdict is None else []
+
+
+def _sharing_the_clip(flags: torch.Tensor, clipped: torch.Tensor) -> torch.Tensor:
+    """A clip's ballot's flags (the clip's first), where each check that some rank marked
+    clipped (it holds some of the clip's parameters there: `Unit.CLIPPED`, a count after the
+    SUM) takes the clip's flags with its own: on the device, the same on every rank."""
+    shares = (clipped > 0).unsqueeze(1)  # the clip's own row is never marked: it keeps its own
+    return torch.where(shares, torch.maximum(flags, flags[:1]), flags)
 
 
 def _fill_bits(slots: torch.Tensor, value: int) -> None:

@@ -45,9 +45,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from shardscale._check import LIST_BITS, Ballot, Check, Iteration, Layout, waiting_flags
+from shardscale._bins import Reading
+from shardscale._check import Ballot, Check, Iteration, waiting_flags
 from shardscale._errors import ShardScaleWarning
-from shardscale._grads import Flags, NormGroups, local_grads, move
+from shardscale._grads import Flags, GradGroups, NormGroups, grad_groups, local_grads, move
 from shardscale._state import Flag, Verdict
 from shardscale._stepping import IterationBook, OptimizerRecord, Stage, Steps, optimizer_params
 from shardscale._torch import (
@@ -111,8 +112,9 @@ class ClipRequest:
     Attributes:
         replicas: How many ranks hold the same plain (non-DTensor) gradients (`replica_group`).
         scaled: Whether the gradients still carry the scale (False: `unscale_()` divided it out).
-        uncovered: Whether this rank holds gradients the clip leaves out, of optimizers stepped
-            before (the ballot's uncovered-gradients slot).
+        left_out: The parameters whose gradients this rank holds and the clip leaves out, of
+            optimizers stepped before (over several ranks): checked and unscaled with the
+            clip's (not clipped), so that their steps take its verdict.
     """
 
     params: list[torch.Tensor]
@@ -120,27 +122,17 @@ class ClipRequest:
     norm_type: float
     replicas: int
     scaled: bool = True
-    uncovered: bool = False
-
-    @property
-    def listed(self) -> int:
-        """A 16-bit signature of the list: its length (not its shapes: FSDP1's original
-        parameters are views that differ per rank), the same on every rank that passes the same
-        list, and different where lists built from each rank's own gradients differ."""
-        return len(self.params) & ((1 << LIST_BITS) - 1)
+    left_out: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class ClipResult:
-    """What a clip's agreement returns: its check's verdict, the global norm, the reduced
-    coverage slots (the count of ranks that held gradients the clip left out, then the clip
-    list's bits: `Layout.COVERAGE`), and whether this rank clipped plain gradients without
-    having scaled (a pipeline stage, whose replica count the default group likely
-    overstates)."""
+    """What a clip's agreement returns: its check's verdict, the global norm, and whether this
+    rank clipped plain gradients without having scaled (a pipeline stage, whose replica count
+    the default group likely overstates)."""
 
     verdict: Verdict
     total_norm: torch.Tensor
-    coverage: torch.Tensor
     plain_on_a_stage: bool = False
 
 
@@ -150,71 +142,49 @@ class ClipRecord:
     iteration's book holds it: `IterationBook.clipped`).
 
     Attributes:
-        known: The leaf optimizers (ids) stepped before the clip: a step after it takes its
-            verdict by what the clip's collective said of them ([`adopts`][ClipRecord.adopts]).
-        coverage: The clip's reduced coverage slots (`shardscale._check.Layout.COVERAGE`): how
-            many ranks held gradients it left out, of those optimizers; then its list's bits.
-        world_size: The group's size, by which the list's bits are read.
+        param_ids: The parameters (ids) whose gradients it checked and unscaled here: its
+            list's, and (over several ranks) those it left out of optimizers stepped before.
+        known: The leaf optimizers (ids) stepped before the clip.
+        alone: Whether this rank is the whole group (world size 1): what its list covered is
+            then what the group's did.
     """
 
     param_ids: frozenset[int]
     verdict: Verdict
     known: frozenset[int] = frozenset()
-    coverage: torch.Tensor | None = None
-    world_size: int = 1
-    _read: list[float] | None = None
+    alone: bool = True
 
     def adopts(self, record: OptimizerRecord) -> bool:
         """Whether `record` takes the clip's unscale and verdict (it takes them then), with no
-        collective of its own: where every rank does, the clip having covered every parameter
-        of its optimizer, or every one holding a gradient on any rank (a clip list each rank
-        built from its own gradients, MoE tokens reaching other experts on each). A clip over
-        some of them leaves the rest to be checked at its own agreement.
+        collective of its own; else its parameters the clip unscaled keep the clip's unscale,
+        the rest is checked at its own agreement (an empty check on a rank whose list covered
+        them all), and its verdict is the clip's with its own.
 
-        Decided alike on every rank, never by which parameters this rank alone holds a gradient
-        for, from what the clip's collective said (read where needed, once: one host read). For
-        an optimizer stepped before the clip: a rank whose list covered its parameters takes the
-        verdict; one holding a gradient its list left out checks the rest; one whose list left
-        out only parameters without a gradient here checks the rest where any rank held a
-        gradient the clip left out (lists built by the same code on every rank decide alike).
-        For one stepped for the first time, whose parameters the clip could not know: where
-        every rank passed a list alike (of one length: the same code's fixed list), it left the
-        same parameters out everywhere, and those are checked; where the lists differ (built
-        per rank from their own gradients), every rank checks the rest, at a collective of its
-        own (that first step only).
+        Decided alike on every rank, never by which parameters this rank's list holds or left
+        out (lists built from each rank's own gradients differ: MoE tokens reach other experts
+        on each). Over several ranks an optimizer stepped before the clip takes its verdict:
+        the clip checked and unscaled its gradients here, those its list left out included
+        ([`Clipping`][]); one stepped for the first time, whose parameters the clip could not
+        know, is checked at a collective of its own, on every rank, that first step only
+        (docs/guides.md#costs), and takes the clip's verdict with its own. Alone (world size
+        1, no collective) the clip's own list decides, as torch's steps do: the clip's verdict
+        where it left out no gradient of the optimizer, else the clip's with the rest's where
+        it covered some.
         """
         if record.stage is not Stage.READY or record.clipped is not None:
             return False
-        params = list(optimizer_params((record.optimizer,)))
-        left_out = [param for param in params if id(param) not in self.param_ids]
-        if id(record.optimizer) in self.known:
-            checks_rest = bool(left_out) and (_any_grad(left_out) or self.uncovered_anywhere())
+        if self.alone:
+            params = list(optimizer_params((record.optimizer,)))
+            left_out = [param for param in params if id(param) not in self.param_ids]
+            takes = not any(param.grad is not None for param in left_out)
+            shares = len(left_out) < len(params)
         else:
-            checks_rest = bool(left_out) or not self.lists_alike()
-        if checks_rest:
-            if len(left_out) < len(params):
-                record.clipped = self
-            return False
-        record.verdict = self.verdict
-        record.stage = Stage.UNSCALED
-        return True
-
-    def uncovered_anywhere(self) -> bool:
-        """Whether some rank held gradients the clip left out, of optimizers stepped before it
-        (one host read, the first time: shared with `lists_alike`)."""
-        return bool(self._coverage()[0])
-
-    def lists_alike(self) -> bool:
-        """Whether every rank passed a list of the same length (every bit slot 0 or W;
-        always, at world size 1, where nothing is read)."""
-        if self.world_size == 1:
-            return True
-        return all(bit in (0.0, self.world_size) for bit in self._coverage()[1:])
-
-    def _coverage(self) -> list[float]:
-        if self._read is None:
-            self._read = [] if self.coverage is None else self.coverage.tolist()
-        return self._read or [0.0]
+            takes, shares = id(record.optimizer) in self.known, True
+        if takes:
+            record.verdict, record.stage = self.verdict, Stage.UNSCALED
+        elif shares:
+            record.clipped = self
+        return takes
 
 
 class NormWalk:
@@ -328,19 +298,18 @@ class Clipping:
         Raises:
             RuntimeError: no rank holds a gradient for `params` (on every rank).
         """
-        steps = self.steps
+        steps, world_size = self.steps, self.agreement.exchange.world_size
         # False: unscale_() ran for these already, and they are clipped as they are
         scaled = self._begin(steps.book, params)
-        ids = frozenset(map(id, params))
-        uncovered = scaled and self._left_out_here(ids)
-        request = ClipRequest(params, max_norm, norm_type, replicas, scaled, uncovered)
+        ids, alone = frozenset(map(id, params)), world_size == 1
+        left_out = () if alone else self._left_out_here(steps.book, ids)
+        request = ClipRequest(params, max_norm, norm_type, replicas, scaled, left_out)
         scale = steps.loss_scale("clip_grad_norm_", params)
         result = self._agree(steps.book, scale, request, steps.book.waiting())
-        world_size = self.agreement.exchange.world_size
-        if scaled and result.verdict.has_grads:
+        if result.verdict.has_grads:
+            checked = ids | frozenset(map(id, left_out))
             known = frozenset(steps.known)
-            clipped = ClipRecord(ids, result.verdict, known, result.coverage, world_size)
-            steps.book.clipped = clipped
+            steps.book.clipped = ClipRecord(checked, result.verdict, known, alone)
         steps.settle()  # the checks unscale_() left waiting were agreed too
         if not result.verdict.has_grads:
             raise RuntimeError(
@@ -374,17 +343,21 @@ class Clipping:
             )
         return not (done and ids <= done)
 
-    def _left_out_here(self, clipped: frozenset[int]) -> bool:
-        """Whether this rank holds a gradient, of an optimizer stepped before, that a clip of
-        the parameters `clipped` (their ids) leaves out."""
+    def _left_out_here(
+        self, book: IterationBook, clipped: frozenset[int]
+    ) -> tuple[torch.Tensor, ...]:
+        """The parameters whose gradients this rank holds and a clip of `clipped` (their ids)
+        leaves out, of optimizers stepped before and not yet unscaled in this iteration."""
+        left_out: dict[int, torch.Tensor] = {}
         for ref in list(self.steps.known.values()):
             optimizer = ref()
-            if optimizer is None:
+            record = None if optimizer is None else book.records.get(id(optimizer))
+            if optimizer is None or (record is not None and record.stage is not Stage.READY):
                 continue
             for param in optimizer_params((optimizer,)):
                 if param.grad is not None and id(param) not in clipped:
-                    return True
-        return False
+                    left_out[id(param)] = param
+        return tuple(left_out.values())
 
     def _agree(
         self,
@@ -395,11 +368,12 @@ class Clipping:
     ) -> ClipResult:
         """The norm share of the request's gradients travels with the flags (and with the
         checks `unscale_` left waiting) in ONE collective; then they are clipped (and unscaled,
-        unless `unscale_` did) to the agreed global norm. A waiting check over some of the
-        clip's parameters takes the clip's flags (its own join them: a step after an
-        overflowing clip is skipped), and keeps its own count of gradients; the others keep
-        their own verdicts. Without a `scale` (a disabled scaler) only the norm is agreed on,
-        and the gradients are clipped as torch clips them (a non-finite norm included)."""
+        unless `unscale_` did) to the agreed global norm. A waiting check takes the clip's flags
+        with its own where it holds some of the clip's parameters on any rank (the ballot's
+        clipped slots: `shardscale._check`), so that no step runs on gradients an overflowing
+        clip left unclipped; its flags join the clip's where it holds some of them here. Without
+        a `scale` (a disabled scaler) only the norm is agreed on, and the gradients are clipped
+        as torch clips them (a non-finite norm included)."""
         agreement, norm_type = self.agreement, request.norm_type
         with torch.no_grad():
             norms, plain, has_grads = self._walk.groups(request.params, request.replicas)
@@ -407,28 +381,25 @@ class Clipping:
             device = next(iter(norms), (torch.device("cpu"),))[0] if scale is None else scale.device
             own = Check(has_grads=has_grads, param_ids=frozenset(map(id, request.params)))
             checks = [own, *waiting]
+            shared = tuple(unit > 0 and _overlaps(check, own) for unit, check in enumerate(checks))
             has_scale = scale is None or not agreement.home.unconfirmed
-            several = agreement.exchange.world_size > 1  # at 1 the signature tells nothing
-            clip = (request.uncovered, request.listed if several else 0)
-            ballot = agreement.ballot(book, device, "clip_grad_norm_", checks, has_scale, clip)
+            ballot = agreement.ballot(book, device, "clip_grad_norm_", checks, has_scale, shared)
             counting = scale is not None and agreement.counting(book, device)
             inv = self._local_pass(book, ballot, own, norms, request, scale, counting)
-            merged = [
-                (0 if _overlaps(check, own) else unit, flag)
-                for unit, check in enumerate(checks)
-                for flag in waiting_flags(check)
-            ]
-            agreement.fill(ballot, checks, counting)
-            verdicts = agreement.vote(book, ballot, merged, "clip_grad_norm_", norm_type, counting)
-            for unit, check in enumerate(checks):
-                merges = unit > 0 and _overlaps(check, own)
-                check.verdict = verdicts[0].sharing(verdicts[unit]) if merges else verdicts[unit]
+            rest, rest_flags, rest_reading = self._check_left_out(book, request, device, counting)
+            others = [(u, flag) for u, check in enumerate(checks) for flag in waiting_flags(check)]
+            others += [(0, flag) for u, flag in others if shared[u]] + rest_flags
+            agreement.fill(ballot, [*(check.reading for check in checks), rest_reading], counting)
+            verdicts = agreement.vote(book, ballot, others, "clip_grad_norm_", norm_type, counting)
+            for check, verdict in zip(checks, verdicts, strict=True):
+                check.verdict = verdict
             total = _total_norm(ballot, norm_type)
             found_inf = None if scale is None else verdicts[0].flags[Flag.SKIP]
             self._clip_(norms, request.max_norm, total, inv, found_inf)
-        coverage = move(ballot.tensor[Layout.COVERAGE], ballot.device)
+            if rest and scale is not None:  # the confirmed scale: left out, unscaled only
+                agreement.kernels.multiply_(rest, agreement.kernels.inverse(scale))
         stage = plain and scale is not None and not agreement.home.scaled_here
-        return ClipResult(verdicts[0], move(total, ballot.device), coverage, stage)
+        return ClipResult(verdicts[0], move(total, ballot.device), stage)
 
     def _local_pass(
         self,
@@ -461,6 +432,24 @@ class Clipping:
         if inv is not None and not exact:
             kernels.check_(norms, None, flags)
         return inv
+
+    def _check_left_out(
+        self, book: Iteration, request: ClipRequest, device: torch.device, counting: bool
+    ) -> tuple[GradGroups, list[tuple[int, torch.Tensor]], Reading | None]:
+        """The check of the gradients a clip leaves out, of optimizers stepped before (over
+        several ranks: [`ClipRecord.adopts`][]), before the agreement: their groups (unscaled
+        after it, where the group confirmed the scale), their flags (the clip's: its unit's),
+        and what the fit and the meter read of them (they still carry the scale)."""
+        if not request.left_out:
+            return {}, [], None
+        groups, _held = grad_groups(request.left_out)
+        flags: Flags = {}
+        self.agreement.kernels.check_(groups, None, flags)
+        fit, reading = self.agreement.home.host.policy.fit, None
+        if counting or fit:
+            read = (book, (groups,), list(request.left_out), device, None, fit, counting)
+            reading = self.agreement.readings.read(*read)
+        return groups, [(0, flag) for flag in flags.values()], reading
 
     def _clip_(
         self,
@@ -639,7 +628,3 @@ def _norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         return norms
     # a norm (not its p-th power) of finite elements fits float32
     return torch.stack(foreach_norm(grads, norm_type, dtype=torch.float64)).float()
-
-
-def _any_grad(params: Iterable[torch.Tensor]) -> bool:
-    return any(param.grad is not None for param in params)

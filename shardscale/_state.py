@@ -198,11 +198,6 @@ class Verdict:
                 self.read = bool(self.flags[Flag.SKIP].item())
         return self.read
 
-    def sharing(self, other: Verdict) -> Verdict:
-        """This verdict's flags, with `other`'s count of gradients (a check that takes a clip's
-        decision, but keeps its own no-gradient rule)."""
-        return Verdict(self.flags, other.has_grads, self.read, self.block, self.row)
-
 
 def verdicts_of(flags: torch.Tensor, has_grads: list[bool]) -> list[Verdict]:
     """The verdicts of one collective's checks: `flags` (`[checks, 2]`), one host read for all."""

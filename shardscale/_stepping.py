@@ -99,9 +99,11 @@ class OptimizerRecord:
         check: The check its gradients went into (its `unscale_()`'s, or its `step()`'s), whose
             verdict it takes; None: not checked yet, or a clip's took them all.
         verdict: What the group agreed for it (its check's, with a partial clip's).
-        clipped: The `clip_grad_norm_` that unscaled some, but not all, of its parameters (an
-            MoE model's dense part, say): those keep the clip's unscale and flag, the others
-            are checked and unscaled at its own agreement, and its verdict is both.
+        clipped: The `clip_grad_norm_` before its step, where it did not take the clip's
+            verdict outright (the clip left out some of its parameters, an MoE model's dense
+            part clipped, say: `shardscale._clip.ClipRecord.adopts`): those the clip unscaled
+            keep its unscale, the others are checked and unscaled at its own agreement, and its
+            verdict is both.
     """
 
     optimizer: torch.optim.Optimizer
@@ -385,7 +387,7 @@ class Steps:
     def loss_scale(self, funcname: str, source: object) -> torch.Tensor:
         """The scale this iteration's gradients carry: its copy, or the live scale where no loss
         was scaled on this rank; a rank that never called `scale()` gets the state now, where
-        the gradients of `source` (an optimizer target, or a list of parameters) are.
+        the gradients of `source` (an optimizer target, or a list of parameters, empty too) are.
 
         In a pipeline only the last stage computes a loss; the others never call `scale()`,
         yet hold the same scale (every rank does) and must check, step and update with the
@@ -402,7 +404,7 @@ class Steps:
             return self.home.device.scale
         if self.agreement.exchange.world_size == 1:
             raise RuntimeError(no_scale_message(funcname))
-        if isinstance(source, list) and source and isinstance(source[0], torch.Tensor):
+        if isinstance(source, list) and all(isinstance(item, torch.Tensor) for item in source):
             params: Iterable[torch.Tensor] = source
         else:
             params = optimizer_params(leaves(source))

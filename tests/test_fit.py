@@ -264,7 +264,9 @@ def test_fit_every_rank_fits_the_global_largest_gradient_in_the_one_collective(c
     rank0, rank1 = run_ranks(_ranks_fit, 2, clip)
     assert rank0["state"] == rank1["state"]
     assert rank0["scale"] == _fitted(3e-5 * 64)  # rank 1's, the larger
-    assert rank0["collectives"] == rank1["collectives"] == [1, 1, 1]
+    # the first step after a clip agrees at a collective of its own (the optimizer was not
+    # known to the clip), then one a step
+    assert rank0["collectives"] == rank1["collectives"] == ([2, 1, 1] if clip else [1, 1, 1])
 
 
 @pytest.mark.parametrize("clip", [False, True], ids=["step", "clip"])

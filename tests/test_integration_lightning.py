@@ -41,7 +41,9 @@ def test_lightning_fabric_fp16_skips_on_every_rank_and_checkpoints(
         script=str(DEMOS / "lightning_fabric.py"),
     )
     records = parse_records(result.stdout)
-    _check_skip_at_step_3(records, collectives=[1] * 5)
+    # the first step after the clip also checks the rest at a collective of its own (the clip
+    # could not know the optimizer's parameters); after, the clip's one a step
+    _check_skip_at_step_3(records, collectives=[2, 1, 1, 1, 1])
     finite = per_rank(records, "finite_norm")
     assert finite[0] == finite[1] == [True, True, False, True, True]
     assert [r["resumed_equal"] for r in records if "resumed_equal" in r] == [True, True]

@@ -93,7 +93,7 @@ def _rank_verl(
     return results
 
 
-def _check(results: list[dict[str, Any]], collectives: int) -> None:
+def _check(results: list[dict[str, Any]], collectives: list[int]) -> None:
     assert results[0] == results[1]  # every rank: the same decisions, scales and counts
     for flavour in ("fused", "for-loop"):
         run = results[0][flavour]
@@ -107,7 +107,7 @@ def _check(results: list[dict[str, Any]], collectives: int) -> None:
         assert overflow["scale"] == clean["scale"] / 2
         assert after["moved"]
         assert not after["skipped"]
-        assert [s["collectives"] for s in run["steps"]] == [collectives] * 3
+        assert [s["collectives"] for s in run["steps"]] == collectives
         assert run["restored"]  # the checkpoint carried the scaler's state, counters included
         assert run["saved_skipped"] == 1
 
@@ -115,19 +115,21 @@ def _check(results: list[dict[str, Any]], collectives: int) -> None:
 def test_verl_fsdp2_engine_every_rank_skips_and_checkpoints_the_scaler(tmp_path: Path) -> None:
     """verl's clipping kept: the scaler's one all-reduce plus verl's FSDP2 clip's one."""
     results = run_ranks(_rank_verl, 2, "fsdp2", str(tmp_path), "use", False, timeout_s=600)
-    _check(results, collectives=2)
+    _check(results, collectives=[2, 2, 2])
 
 
 def test_verl_fsdp2_fold_clip_costs_one_collective(tmp_path: Path) -> None:
     results = run_ranks(_rank_verl, 2, "fsdp2", str(tmp_path), "use", True, timeout_s=600)
-    _check(results, collectives=1)
+    # the optimizer's first step after the clip checks the rest at a collective of its own (the
+    # clip could not know its parameters); after, the clip's one a step
+    _check(results, collectives=[2, 1, 1])
 
 
 def test_verl_fsdp1_engine_installed_globally_skips_and_checkpoints(tmp_path: Path) -> None:
     """install(): verl builds shardscale's scaler itself (FSDP1: flat parameters; verl's
     FSDP1 clip is one all-reduce)."""
     results = run_ranks(_rank_verl, 2, "fsdp", str(tmp_path), "install", False, timeout_s=600)
-    _check(results, collectives=2)
+    _check(results, collectives=[2, 2, 2])
 
 
 def _rank_verl_sequence(rank: int, world_size: int, fused: bool, both: bool) -> dict[str, Any]:

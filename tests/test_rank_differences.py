@@ -75,11 +75,74 @@ def _rank_partial_clip(rank: int, world_size: int, variant: str) -> dict[str, An
 def test_partial_clip_gradients_held_differently_steps_on_both_ranks(variant: str) -> None:
     rank0, rank1 = run_ranks(_rank_partial_clip, 2, variant, env=DETAIL)
     assert rank0["collectives"] == rank1["collectives"]
-    assert len(rank0["collectives"]) == 6  # the clip's and the rest's at each of 3 steps
+    # the clip's at each of 3 steps, and the optimizer's own at its first step after a clip
+    # (the clip could not know it); later the clip checks the gradients it leaves out too
+    assert len(rank0["collectives"]) == 4
     assert rank0["skipped"] == rank1["skipped"] == 0
     expert_moved = rank1["expert"] != _Moe().expert.weight.tolist()
     assert expert_moved  # rank 1's expert held gradients and stepped
     assert rank0["dense moved"]  # rank 0's dense part held gradients and stepped
+
+
+def _rank_clip_lists_of_their_own(rank: int, world_size: int, case: str, path: str) -> Any:
+    """Clip lists each rank builds from its own gradients (as torch's clip filters), which
+    cover a different part of an optimizer on each rank (the cases the rank fuzz found):
+
+    * `"unscale_ first"`: one optimizer, `unscale_()` then a clip of `[a, b]`'s gradients: rank
+      0 holds them (and a NaN in `e`, outside the clip), rank 1 none (its list is empty);
+    * `"expert optimizer"`: a dense optimizer `[a, d]` and an expert's `[e]`, a clip of `[a, e]`'s
+      gradients: rank 0's covers the expert's optimizer, rank 1's (no expert gradient) does not,
+      and rank 0 holds `d`'s, which the clip leaves out;
+    * `"never scaled, nothing listed"`: rank 1 never calls `scale()` and holds no gradient
+      (a pipeline stage whose parameters had none): its clip list is empty.
+    """
+    a, b, d, e = (nn.Parameter(torch.ones(3)) for _ in range(4))
+    if case == "expert optimizer":
+        optimizers = [torch.optim.SGD([a, d], lr=0.1), torch.optim.SGD([e], lr=0.1)]
+    else:
+        optimizers = [torch.optim.SGD([a, b, d, e], lr=0.1)]
+    scaler = ShardedGradScaler(init_scale=2.0**4, sync_timeout=10.0)
+    events, skipped = [], []
+    with cuda_path() if path == "cuda" else nullcontext(), recorded_collectives() as log:
+        for step in range(3):
+            scale = scaler.get_scale()
+            for param in (a, b, d, e):
+                param.grad = torch.full((3,), 0.5 * scale)
+            if case != "never scaled, nothing listed" or rank == 0:
+                scaler.scale((a * 0.0).sum())  # a loss: its gradient is set by hand
+            never = case == "never scaled, nothing listed"
+            if rank == 1 and (step == 2 or never):
+                for param in (a, b, d, e) if case != "expert optimizer" else (d, e):
+                    param.grad = None
+            if step == 2 and rank == 0 and case == "unscale_ first":
+                e.grad[0] = math.nan  # type: ignore[index]
+            if case == "unscale_ first":
+                scaler.unscale_(optimizers[0])
+            listed = [
+                p for p in ((a, e) if case == "expert optimizer" else (a, b)) if p.grad is not None
+            ]
+            try:
+                scaler.clip_grad_norm_(listed, 1e9)
+                for optimizer in optimizers:
+                    scaler.step(optimizer)
+                scaler.update()
+            except Exception as error:  # the same call, the same error, on every rank
+                events.append((step, type(error).__name__))
+                break
+            skipped.append(scaler.last_step_skipped)
+    return {"collectives": log, "events": events, "skipped": skipped, "scale": scaler.get_scale()}
+
+
+@pytest.mark.parametrize("path", ["cpu", "cuda"])
+@pytest.mark.parametrize(
+    "case", ["unscale_ first", "expert optimizer", "never scaled, nothing listed"]
+)
+def test_clip_lists_of_their_own_decide_alike(case: str, path: str) -> None:
+    rank0, rank1 = run_ranks(_rank_clip_lists_of_their_own, 2, case, path, env=DETAIL)
+    assert rank0 == rank1
+    assert rank0["events"] == []
+    # the NaN on rank 0 skips the last step on both; else every step is taken
+    assert rank0["skipped"] == [False, False, case == "unscale_ first"]
 
 
 def _rank_torch_step_body(rank: int, world_size: int, path: str) -> dict[str, Any]:
