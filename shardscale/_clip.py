@@ -28,7 +28,11 @@ Clipping takes two passes over the gradients, whatever the layout:
 
 What a clip unscaled and agreed is the iteration's ([`ClipRecord`][], in its book): the steps
 after it ask it whether they take its verdict ([`ClipRecord.adopts`][], the clip's rule), through
-the one question `shardscale._stepping` asks of a clip.
+the one question `shardscale._stepping` asks of a clip. So that they answer alike on every rank
+whatever each rank's list covered (a list built from its own gradients, a dense part without the
+experts), over several ranks the clip also checks, and unscales without clipping, the gradients
+its list leaves out of the optimizers stepped before: their flags join the clip's, and their
+steps take its verdict with no collective and no host read of their own.
 """
 
 from __future__ import annotations
