@@ -22,14 +22,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from shardscale import ShardedGradScaler, ShardScaleCheckpointError
 from tests.harness import run_ranks
-from tests.test_docs_blocks import python_blocks
+from tests.test_docs_blocks import _Model, python_blocks  # the pages' model
 
 
 def _block(page: str, holding: str) -> str:
@@ -41,16 +40,6 @@ def _block(page: str, holding: str) -> str:
 
 README_LOOP = ("README.md", "scaler.scale(loss).backward()")
 RECIPE = ("docs/checkpoints.md", "load_whole(state")
-
-
-class _Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList([nn.Linear(8, 16), nn.Linear(16, 4)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks[1](torch.tanh(self.blocks[0](x)))
 
 
 def _overflowing_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
