@@ -147,7 +147,7 @@ class Ballot:
     Attributes:
         device: The scale's device, where the verdicts are returned (the tensor is on the
             group's communication device).
-        units: The checks' slots (a `[MAX_CHECKS, 3]` view).
+        units: The checks' slots (a `[MAX_CHECKS, len(Unit)]` view).
         has: Whether this rank holds gradients for each check it carries, in order (what their
             has-gradients slots say, known on the host: a rank without reads the result).
         has_scale: What the has-a-scale slot says (False: a rank that never scaled; it reads
