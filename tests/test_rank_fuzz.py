@@ -2,7 +2,9 @@
 
 A scenario is a training loop's calls, the same on every rank (the scale policy, one optimizer
 or two, their flavour, a clip over some subset of the parameters, `unscale_` first or not,
-`scaler.step` or torch.amp's own step body, whether warnings are errors), and what each rank
+`scaler.step` or torch.amp's own step body, or `step(closure=...)`, which reruns the batch at a
+lower scale; `verify_every`, `locate_overflow` and the underflow meter's steps; whether
+warnings are errors), and what each rank
 holds, observes, loads and lists, drawn for each rank apart: which parameters hold a gradient at
 each step and what it holds (none; finite; an inf; a NaN), whether its shard of one parameter
 is empty (FSDP2's uneven dim-0 shards), how many micro-batches it runs at each step (0: a
@@ -30,6 +32,7 @@ splits of clip lists built from each rank's gradients, the first found at the 11
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -91,6 +94,14 @@ SCENARIOS = st.fixed_dictionaries(
         "unscale_first": st.booleans(),
         "body": st.sampled_from(("step", "torch")),
         "warnings": st.sampled_from(("recorded", "errors")),
+        "closure": st.sampled_from((False, False, False, True)),
+        "options": st.fixed_dictionaries(
+            {
+                "verify_every": st.sampled_from((0, 0, 1, 2)),
+                "locate_overflow": st.booleans(),
+                "underflow_every": st.sampled_from((100, 1, 2)),
+            }
+        ),
         "ranks": st.lists(_rank_part(), min_size=2, max_size=2),
     }
 )
@@ -155,7 +166,10 @@ class _Run:
         self.model = _Model(self.mine["shard_rows"])
         self.optimizers = _optimizers(self.model, scenario)
         self.scaler = ShardedGradScaler(
-            init_scale=2.0**4, scale_policy=scenario["policy"], sync_timeout=20.0
+            init_scale=2.0**4,
+            scale_policy=scenario["policy"],
+            sync_timeout=20.0,
+            **scenario["options"],
         )
         self.events: list[tuple[Any, ...]] = []  # (step, call, what) warnings and the error
         self.decisions: list[tuple[bool | None, float]] = []
@@ -202,19 +216,14 @@ class _Run:
         if mine["load"] != "none" and step == mine["load_at"]:  # between iterations
             state = self.saved[-1] if mine["load"] == "current" else self.saved[0]
             self.call(step, "load_state_dict", scaler.load_state_dict, state)
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        for micro in range(mine["micro_batches"][step - 1]):
-            inputs = torch.full((3,), 2.0 ** (step + micro))
-            if mine["nonfinite_loss_at"] == step:
-                inputs[0] = math.inf
-            loss = (model.control * inputs).sum()
-            self.call(step, "scale", lambda loss=loss: scaler.scale(loss).backward())
-        scale = scaler.get_scale()  # a rank that never scaled: the one it would have
+        if scenario["closure"]:  # the batch's calls inside the step, which may rerun them
+            closure = functools.partial(self.backward, step)
+            target = self.optimizers if len(self.optimizers) > 1 else self.optimizers[0]
+            self.call(step, "step", lambda: scaler.step(target, closure=closure))
+            self.finish(step)
+            return
+        self.call(step, "scale", self.backward, step)
         params = dict(model.named_parameters())
-        for name, kind in mine["held"][step - 1].items():
-            if kind != "none":
-                params[name].grad = _scaled_gradient(kind, params[name].shape, scale)
         if scenario["unscale_first"]:
             for optimizer in self.optimizers:
                 self.call(step, "unscale_", scaler.unscale_, optimizer)
@@ -227,6 +236,32 @@ class _Run:
             self.call(step, "clip_grad_norm_", clip, clipped, 1.0, scenario["norm_type"])
         for optimizer in self.optimizers:
             self.call(step, "step", self._step_body, optimizer)
+        self.finish(step)
+
+    def backward(self, step: int) -> torch.Tensor | None:
+        """The batch: its micro-batches' scaled backward, then this rank's gradients for the
+        step, at the scale they would carry (a rank that never scaled: the one it would have).
+        Returns the last loss (a closure's)."""
+        model, scaler, mine = self.model, self.scaler, self.mine
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        loss = None
+        for micro in range(mine["micro_batches"][step - 1]):
+            inputs = torch.full((3,), 2.0 ** (step + micro))
+            if mine["nonfinite_loss_at"] == step:
+                inputs[0] = math.inf
+            loss = (model.control * inputs).sum()
+            scaler.scale(loss).backward()
+        scale = scaler.get_scale()
+        params = dict(model.named_parameters())
+        for name, kind in mine["held"][step - 1].items():
+            if kind != "none":
+                params[name].grad = _scaled_gradient(kind, params[name].shape, scale)
+        return loss
+
+    def finish(self, step: int) -> None:
+        """The iteration's update, and what this rank keeps and reads of it."""
+        scaler = self.scaler
         self.call(step, "update", scaler.update)
         self.saved.append(scaler.state_dict())
         self.observe("after update")
