@@ -5,8 +5,10 @@ zero host synchronisations on the fused path (with and without ``clip_grad_norm_
 capture of step+update, CPU-offloaded gradients beside CUDA ones, fused AdamW over CPU parameters
 with the scale on the GPU, FSDP2 over NCCL (world size 1, and with ``CPUOffloadPolicy``), stats
 hooks on CUDA (from another current device where two GPUs exist), NCCL at world size 1, NCCL
-agreement across two GPUs, a healthy NCCL run with ``sync_timeout`` (which only warns there), and
-a missing rank, ended by the process group's own timeout.
+agreement across two GPUs, a healthy NCCL run with ``sync_timeout`` (which only warns there), a
+missing rank, ended by the process group's own timeout, and torch's scaler as the oracle on CUDA
+(tests/test_torch_differential.py's scenarios with CUDA autocast and the fused and capturable
+flavours, on one rank and on two sharing the GPU over gloo).
 
 Written by reading torch's sources before any GPU was lent. On one H100 with torch 2.11
 (2026-11-26, ``launch/rigs/gpu_check.sh``, docs/gpu.md) all that one GPU can run passed, after a fix
@@ -27,6 +29,7 @@ from torch import nn
 from shardscale import ShardedGradScaler, count_collectives
 from tests.harness import RankFailure, run_ranks
 from tests.setups import plant, step_and_report
+from tests.test_torch_differential import draw_scenarios, on_cuda, rank_differential, run_scenario
 
 pytestmark = pytest.mark.gpu
 
@@ -431,3 +434,29 @@ def test_cuda_stats_hook_one_update_late_from_another_current_device() -> None:
     assert [stats.last_step_skipped for stats in delivered] == [False, True, False, False, False]
     assert [stats.scale for stats in delivered] == [1024.0, 512.0, 512.0, 1024.0, 1024.0]
     assert [stats.consecutive_skips for stats in delivered] == [0, 1, 0, 0, 0]
+
+
+# torch is the oracle on the device too: tests/test_torch_differential.py's scenarios with CUDA
+# tensors and CUDA autocast, its fused and capturable flavours; counts sized for gpu_check.sh's
+# one command (60 scenarios take 2.5 s on a CPU core; not yet run on a GPU).
+GPU_DIFF_EXAMPLES = 60
+GPU_DIFF_RANK_EXAMPLES = 12
+
+
+def test_differential_against_torch_amp_grad_scaler_on_cuda() -> None:
+    """Every call equal to `torch.amp.GradScaler("cuda")` bit for bit, or a documented row."""
+    for scenario in draw_scenarios(GPU_DIFF_EXAMPLES):
+        run_scenario(on_cuda(scenario))
+
+
+def test_differential_on_two_ranks_sharing_the_gpu_over_gloo() -> None:
+    """Two ranks, one GPU, gloo carrying CUDA tensors: each rank equals torch at world size 1
+    the same way (the 2-rank form of the CPU's test)."""
+    scenarios = [
+        on_cuda({**scenario, "ops": [op for op in scenario["ops"] if op[0] != "pickle"]})
+        for scenario in draw_scenarios(GPU_DIFF_RANK_EXAMPLES)
+    ]
+    rank0, rank1 = run_ranks(rank_differential, 2, scenarios, timeout_s=120 + 3 * len(scenarios))
+    for scenario, mine, theirs in zip(scenarios, rank0, rank1, strict=True):
+        assert isinstance(mine, list), mine
+        assert mine == theirs, scenario

@@ -58,6 +58,15 @@ FLAVOURS: dict[str, Callable[[list[dict[str, Any]]], torch.optim.Optimizer]] = {
     "adamw-fused": lambda groups: torch.optim.AdamW(groups, lr=0.01, fused=True),
     "adagrad-fused": lambda groups: torch.optim.Adagrad(groups, lr=0.1, fused=True),
 }
+# On CUDA (tests/test_gpu.py): Adagrad's fused kernel is the CPU's alone, and the capturable
+# flavours exist there only; a drawn scenario's flavours are swapped so, the rest kept.
+CUDA_FLAVOURS = {
+    "adam-capturable": lambda groups: torch.optim.Adam(groups, lr=0.01, capturable=True),
+    "adamw-fused-capturable": lambda groups: torch.optim.AdamW(
+        groups, lr=0.01, fused=True, capturable=True
+    ),
+}
+ON_CUDA = {"adam": "adam-capturable", "adagrad-fused": "adamw-fused-capturable"}
 BACKWARDS = ("fp32", "fp16", "fp16", "fp16-overflow", "inf", "nan", "nan-loss")
 
 
@@ -159,6 +168,14 @@ def draw_scenarios(count: int, seed: int = 0) -> list[dict[str, Any]]:
     return drawn[:count]
 
 
+def on_cuda(scenario: dict[str, Any]) -> dict[str, Any]:
+    """`scenario` on the GPU: its tensors, scalers and autocast there, its flavours CUDA's."""
+    optimizers = [
+        (ON_CUDA.get(flavour, flavour), groups) for flavour, groups in scenario["optimizers"]
+    ]
+    return {**scenario, "optimizers": optimizers, "device": "cuda"}
+
+
 # ---------------------------------------------------------------- one side
 
 
@@ -170,35 +187,37 @@ class Side:
     layers: nn.ModuleList
     optimizers: list[torch.optim.Optimizer]
     body: str = "ours"
+    device: str = "cpu"
     saved: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def build(cls, scenario: dict[str, Any], ours: bool, **options: Any) -> Side:
+        device = scenario.get("device", "cpu")
         torch.manual_seed(0)
-        layers = nn.ModuleList(nn.Linear(4, 4) for _ in scenario["optimizers"])
+        layers = nn.ModuleList(nn.Linear(4, 4) for _ in scenario["optimizers"]).to(device)
         optimizers = []
         for layer, (flavour, groups) in zip(layers, scenario["optimizers"], strict=True):
             params = [{"params": [layer.weight]}, {"params": [layer.bias], "lr": 0.05}]
             if groups == 1:
                 params = [{"params": list(layer.parameters())}]
-            optimizers.append(FLAVOURS[flavour](params))
+            optimizers.append({**FLAVOURS, **CUDA_FLAVOURS}[flavour](params))
         settings_ = {k: scenario[k] for k in ("init_scale", "growth_factor", "backoff_factor")}
         settings_ |= {"growth_interval": scenario["growth_interval"]}
         settings_["enabled"] = scenario["enabled"]
         if ours:
             kind = TorchBodyScaler if scenario["body"] == "subclass" else ShardedGradScaler
-            scaler = kind("cpu", **settings_, **options)
+            scaler = kind(device, **settings_, **options)
         else:
-            scaler = torch.amp.GradScaler("cpu", **settings_)
-        return cls(scaler, layers, optimizers, scenario["body"] if ours else "ours")
+            scaler = torch.amp.GradScaler(device, **settings_)
+        return cls(scaler, layers, optimizers, scenario["body"] if ours else "ours", device)
 
     def loss(self, kind: str, layers: set[int], seed: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(seed)
-        inputs = torch.randn(2, 4, generator=generator)
+        inputs = torch.randn(2, 4, generator=generator).to(self.device)
         if kind == "fp16-overflow":
             inputs = inputs * 3e3
         used = [self.layers[i % len(self.layers)] for i in sorted(layers)]
-        with torch.autocast("cpu", dtype=torch.float16, enabled=kind != "fp32"):
+        with torch.autocast(self.device, dtype=torch.float16, enabled=kind != "fp32"):
             loss = sum(layer(inputs).float().pow(2).mean() for layer in used)
         return loss * math.nan if kind == "nan-loss" else loss
 
@@ -250,7 +269,9 @@ class Side:
             return scaler.update()
         if name == "update_to":
             value, as_tensor = args
-            return scaler.update(torch.tensor(value) if as_tensor else float(value))
+            return scaler.update(
+                torch.tensor(value, device=self.device) if as_tensor else float(value)
+            )
         if name == "set":
             setting, value = args
             return getattr(scaler, f"set_{setting}")(value)
@@ -264,7 +285,7 @@ class Side:
             self.scaler = pickle.loads(pickle.dumps(scaler))
             return None
         if name == "scale_only":
-            return _value(scaler.scale(torch.tensor(1.5)))
+            return _value(scaler.scale(torch.tensor(1.5, device=self.device)))
         assert name == "get_scale"
         return scaler.get_scale()
 
@@ -470,7 +491,7 @@ def test_differential_against_torch_amp_grad_scaler_at_world_size_one() -> None:
 # ---------------------------------------------------------------- on two ranks
 
 
-def _rank_differential(rank: int, world_size: int, scenarios: list[dict[str, Any]]) -> list[Any]:
+def rank_differential(rank: int, world_size: int, scenarios: list[dict[str, Any]]) -> list[Any]:
     results: list[Any] = []
     for scenario in scenarios:
         try:
@@ -488,7 +509,7 @@ def test_differential_on_two_ranks_every_rank_equals_torch_at_world_size_one() -
         {**scenario, "ops": [op for op in scenario["ops"] if op[0] != "pickle"]}
         for scenario in draw_scenarios(RANK_EXAMPLES, seed=1)
     ]
-    rank0, rank1 = run_ranks(_rank_differential, 2, scenarios, timeout_s=120 + 3 * len(scenarios))
+    rank0, rank1 = run_ranks(rank_differential, 2, scenarios, timeout_s=120 + 3 * len(scenarios))
     for scenario, mine, theirs in zip(scenarios, rank0, rank1, strict=True):
         assert isinstance(mine, list), mine
         assert mine == theirs, scenario
