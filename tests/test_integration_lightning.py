@@ -3,6 +3,7 @@ gloo ranks, FSDP2 (``ModelParallelStrategy``) and DDP."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,14 @@ import pytest
 from tests.demo_records import parse_records, per_rank
 from tests.test_train import ROOT, torchrun
 
-pytestmark = [pytest.mark.integration, pytest.mark.torchrun, pytest.mark.xdist_group("torchrun")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.torchrun,
+    pytest.mark.xdist_group("torchrun"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("lightning") is None, reason="needs shardscale[lightning]"
+    ),
+]
 
 DEMOS = ROOT / "launch" / "demos"
 

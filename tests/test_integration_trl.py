@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,14 @@ from tests.demo_records import parse_records, per_rank
 from tests.test_train import ROOT, torchrun
 
 pytestmark = [pytest.mark.integration, pytest.mark.torchrun, pytest.mark.xdist_group("torchrun")]
+# each test skips where a package it runs is not installed, as the torchtitan and verl tests do
+needs_trl = pytest.mark.skipif(
+    importlib.util.find_spec("trl") is None or importlib.util.find_spec("accelerate") is None,
+    reason="needs shardscale[trl]",
+)
+needs_accelerate = pytest.mark.skipif(
+    importlib.util.find_spec("accelerate") is None, reason="needs shardscale[accelerate]"
+)
 
 TRL_SFT = str(ROOT / "launch" / "demos" / "trl_sft.py")
 ACCELERATE_FP16 = str(ROOT / "launch" / "demos" / "accelerate_fp16.py")
@@ -22,6 +31,7 @@ def _final(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return {r["rank"]: r["final"] for r in records if "final" in r}
 
 
+@needs_trl
 def test_trl_sft_fused_adamw_skip_is_reported_and_the_lr_holds(tmp_path: Path) -> None:
     result = torchrun(
         2, "--steps", "5", "--inject-inf-at", "2", "--output-dir", str(tmp_path), script=TRL_SFT
@@ -40,6 +50,7 @@ def test_trl_sft_fused_adamw_skip_is_reported_and_the_lr_holds(tmp_path: Path) -
     assert (final[0]["steps"], final[0]["skipped_steps"]) == (5, 1)
 
 
+@needs_trl
 def test_trl_sft_checkpoint_resumes_the_scaler_exactly(tmp_path: Path) -> None:
     """One rank: transformers 5.10 cannot resume a multi-process CPU run at all (it maps the
     optimizer state to args.device, "cpu:0", which torch.load refuses); the scaler's state is
@@ -77,6 +88,7 @@ def test_trl_sft_checkpoint_resumes_the_scaler_exactly(tmp_path: Path) -> None:
     assert per_rank(resumed, "scale")[0] == per_rank(full, "scale")[0][2:]
 
 
+@needs_accelerate
 def test_accelerate_fp16_fused_adamw_skips_reported_scheduler_held_state_resumed(
     tmp_path: Path,
 ) -> None:
@@ -105,6 +117,7 @@ def test_accelerate_fp16_fused_adamw_skips_reported_scheduler_held_state_resumed
     assert [r["resumed_equal"] for r in records if "resumed_equal" in r] == [True, True]
 
 
+@needs_accelerate
 def test_accelerate_fsdp2_resume_path_leaves_the_loaded_scaler_as_saved(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -149,6 +162,7 @@ def test_accelerate_fsdp2_resume_path_leaves_the_loaded_scaler_as_saved(
             assert (state["scale"], state["steps"]) == (1024.0, 8)
 
 
+@needs_accelerate
 def test_accelerate_use_shardscale_rules() -> None:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState

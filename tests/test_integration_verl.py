@@ -21,8 +21,8 @@ from tests.harness import run_ranks
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("frameworks")]
 
 DEMOS = str(Path(__file__).resolve().parent.parent / "launch" / "demos")
-# The Megatron tests import verl in this process: without it they skip (`-k megatron` on an
-# install without the verl extra).
+# The engine tests and the Megatron tests import verl in their processes: without it they skip
+# (`-k megatron` on an install without the verl extra); the sequence tests need torch alone.
 needs_verl = pytest.mark.skipif(
     importlib.util.find_spec("verl") is None, reason="needs shardscale[verl]"
 )
@@ -112,12 +112,14 @@ def _check(results: list[dict[str, Any]], collectives: list[int]) -> None:
         assert run["saved_skipped"] == 1
 
 
+@needs_verl
 def test_verl_fsdp2_engine_every_rank_skips_and_checkpoints_the_scaler(tmp_path: Path) -> None:
     """verl's clipping kept: the scaler's one all-reduce plus verl's FSDP2 clip's one."""
     results = run_ranks(_rank_verl, 2, "fsdp2", str(tmp_path), "use", False, timeout_s=600)
     _check(results, collectives=[2, 2, 2])
 
 
+@needs_verl
 def test_verl_fsdp2_fold_clip_costs_one_collective(tmp_path: Path) -> None:
     results = run_ranks(_rank_verl, 2, "fsdp2", str(tmp_path), "use", True, timeout_s=600)
     # the optimizer's first step after the clip checks the rest at a collective of its own (the
@@ -125,6 +127,7 @@ def test_verl_fsdp2_fold_clip_costs_one_collective(tmp_path: Path) -> None:
     _check(results, collectives=[2, 1, 1])
 
 
+@needs_verl
 def test_verl_fsdp1_engine_installed_globally_skips_and_checkpoints(tmp_path: Path) -> None:
     """install(): verl builds shardscale's scaler itself (FSDP1: flat parameters; verl's
     FSDP1 clip is one all-reduce)."""
