@@ -2,13 +2,15 @@
 
 verl's FSDP checkpoints are per-rank shards; their folder may be shared or node-local. Rank 0
 alone writes the scaler's file: on node-local folders the other ranks have none. Each rank must
-still end with the one state (the ranks that found the file tell the others, in one all_gather),
-or every rank raise together: never one rank loading while another warns and goes on.
+still end with the one state (the ranks that found the file tell the others, in one gather over
+the scaler's group, bounded by its sync_timeout), or every rank raise together: never one rank
+loading while another warns and goes on, nor waits for a rank that never comes.
 """
 
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -60,3 +62,29 @@ def test_verl_resume_from_files_that_differ_raises_on_every_rank(tmp_path: Path)
     rank0, rank1 = run_ranks(_rank_resume, 2, str(tmp_path), "stale")
     assert rank0 == rank1
     assert "shardscale_scaler.pt files the ranks read" in rank0["raised"]
+
+
+def _rank_one_never_loads(rank: int, world_size: int, folder: str) -> tuple[float, str]:
+    """Rank 1 never reaches the load (it hangs elsewhere, past the scaler's sync_timeout)."""
+    verl._saving(_verl_files, lambda: _scaler(2.0**10))(folder)
+    if rank == 1:
+        time.sleep(8.0)
+        return 0.0, "away"
+    resumed = ShardedGradScaler(sync_timeout=2.0)
+    started = time.monotonic()
+    try:
+        verl._loading(_verl_files, lambda: resumed)(folder)
+    except ShardScaleDistributedError as error:
+        return time.monotonic() - started, str(error)
+    return time.monotonic() - started, "loaded"
+
+
+def test_verl_resume_a_rank_that_never_arrives_is_an_error_within_the_sync_timeout(
+    tmp_path: Path,
+) -> None:
+    """The gather of what each rank read is the scaler's own, bounded by its sync_timeout: not
+    a wait for the process group's timeout (30 minutes by default)."""
+    (waited, said), away = run_ranks(_rank_one_never_loads, 2, str(tmp_path))
+    assert away == (0.0, "away")
+    assert "shardscale_scaler.pt each rank read" in said, said
+    assert waited < 6.0  # rank 1 leaves at 8 s: the bound, not its leaving, ended the wait

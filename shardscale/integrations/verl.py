@@ -38,7 +38,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -306,9 +306,10 @@ def _loading(
     def load_checkpoint(local_path: str | None, *args: Any, **kwargs: Any) -> None:
         path = None if local_path is None else os.path.join(local_path, SCALER_FILE)
         state = torch.load(path, weights_only=True) if path and os.path.exists(path) else None
-        state = _agreed_state(state)
-        load(local_path, *args, **kwargs)
         current = scaler()
+        if isinstance(current, ShardedGradScaler):  # alike on every rank: verl built it so
+            state = _agreed_state(current, state)
+        load(local_path, *args, **kwargs)
         if not isinstance(current, ShardedGradScaler) or local_path is None:
             return
         if state is None:
@@ -325,19 +326,21 @@ def _loading(
     return load_checkpoint
 
 
-def _agreed_state(state: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The scaler's state every rank loads: what the ranks that found the file read (one
-    all_gather of each rank's, None where it found none), so that a rank on a node without the
-    file takes it too, and no rank waits for one that warned and went on.
+def _agreed_state(scaler: ShardedGradScaler, state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The scaler's state every rank loads: what the ranks that found the file read (each
+    rank's, None where it found none, gathered over the scaler's group, bounded by its
+    `sync_timeout` like its own collectives), so that a rank on a node without the file takes
+    it too, and no rank waits for one that warned and went on.
 
     Raises:
-        ShardScaleDistributedError: ranks that found a file read different states.
+        ShardScaleDistributedError: ranks that found a file read different states; or a rank
+            did not arrive within `sync_timeout`.
     """
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return state
-    read: list[dict[str, Any] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(read, state)
-    found = [(rank, them) for rank, them in enumerate(read) if them is not None]
+    exchange = scaler._agreement.exchange  # the scaler's group and its bounded gather
+    read = exchange.gather_objects(state, None, f"the {SCALER_FILE} each rank read")
+    found = [
+        (rank, cast(dict[str, Any], them)) for rank, them in enumerate(read) if them is not None
+    ]
     differing = [rank for rank, them in found if them != found[0][1]]
     if differing:
         raise ShardScaleDistributedError(
