@@ -139,6 +139,11 @@ class Check:
     reading: Reading | None = None
     verdict: Verdict | None = None
 
+    def waiting_flags(self) -> Flags | None:
+        """What `unscale_()` found here while the check waits for the agreement (None: not
+        checked by `unscale_()`, or agreed)."""
+        return self.local_flags if self.verdict is None else None
+
 
 @dataclass(frozen=True, slots=True)
 class Ballot:
@@ -262,7 +267,7 @@ class Agreement:
                 read = (book, groups_, [*unscale, *check], inv if has_scale else None, flags)
                 own.reading = self._check_local(*read, counting)
             others = [(0, flag) for device, flag in flags.items() if device != ballot.skip().device]
-            others += [(i, flag) for i, c in enumerate(checks) for flag in waiting_flags(c)]
+            others += waiting_votes(checks)
             self.fill(ballot, [check.reading for check in checks], counting)
             verdicts = self.vote(book, ballot, others, caller, None, counting)
             for check_, verdict in zip(checks, verdicts, strict=True):
@@ -530,9 +535,11 @@ class Agreement:
         return [held or head[start + i * len(Unit)] > 0 for i, held in enumerate(ballot.has)]
 
 
-def waiting_flags(check: Check) -> list[torch.Tensor]:
-    """The flags `unscale_()` raised for `check`, while it waits (none once agreed)."""
-    return list(check.local_flags.values()) if check.local_flags and check.verdict is None else []
+def waiting_votes(checks: Sequence[Check]) -> list[tuple[int, torch.Tensor]]:
+    """The flags `unscale_()` raised for a ballot's `checks` still waiting, each with its unit
+    (the check's place among them)."""
+    waiting = enumerate(check.waiting_flags() or {} for check in checks)
+    return [(unit, flag) for unit, flags in waiting for flag in flags.values()]
 
 
 def _sharing_the_clip(flags: torch.Tensor, clipped: torch.Tensor) -> torch.Tensor:

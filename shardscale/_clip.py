@@ -50,7 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from shardscale._bins import Reading
-from shardscale._check import Ballot, Check, Iteration, waiting_flags
+from shardscale._check import Ballot, Check, Iteration, waiting_votes
 from shardscale._errors import ShardScaleWarning
 from shardscale._grads import Flags, GradGroups, NormGroups, grad_groups, local_grads, move
 from shardscale._state import Flag, Verdict
@@ -391,7 +391,7 @@ class Clipping:
             counting = scale is not None and agreement.counting(book, device)
             inv = self._local_pass(book, ballot, own, norms, request, scale, counting)
             rest, rest_flags, rest_reading = self._check_left_out(book, request, device, counting)
-            others = [(u, flag) for u, check in enumerate(checks) for flag in waiting_flags(check)]
+            others = waiting_votes(checks)
             others += [(0, flag) for u, flag in others if shared[u]] + rest_flags
             agreement.fill(ballot, [*(check.reading for check in checks), rest_reading], counting)
             verdicts = agreement.vote(book, ballot, others, "clip_grad_norm_", norm_type, counting)

@@ -222,11 +222,14 @@ def combined(verdicts: Iterable[Verdict | None]) -> Verdict | None:
     parts = list(distinct.values())
     device = parts[0].flags.device
     verdict = Verdict(torch.stack([move(v.flags, device) for v in parts]).amax(0))
-    reads = [v.read for v in parts]
-    verdict.read = True if True in reads else (False if None not in reads else None)
-    held = [v.has_grads for v in parts]
-    verdict.has_grads = True if True in held else (False if None not in held else None)
+    verdict.read = _any_of([v.read for v in parts])
+    verdict.has_grads = _any_of([v.has_grads for v in parts])
     return verdict
+
+
+def _any_of(values: list[bool | None]) -> bool | None:
+    """True where any of `values` is; False where all are False; else None (not known)."""
+    return True if True in values else (False if None not in values else None)
 
 
 def move_scale_(

@@ -116,8 +116,7 @@ class OptimizerRecord:
     def waiting_flags(self) -> dict[torch.device, torch.Tensor] | None:
         """What `unscale_()` found here while the agreement on it is still to come (None: not
         checked by `unscale_()`, or agreed)."""
-        check = self.check
-        return None if check is None or check.verdict is not None else check.local_flags
+        return None if self.check is None else self.check.waiting_flags()
 
     def params_to_check(self) -> Iterator[torch.Tensor]:
         """Its parameters whose gradients still carry the scale: all, less a partial clip's."""
@@ -176,7 +175,7 @@ class IterationBook:
 
     def waiting(self) -> list[Check]:
         """The checks `unscale_()` left waiting for the agreement."""
-        return [c for c in self.checks if c.verdict is None and c.local_flags is not None]
+        return [check for check in self.checks if check.waiting_flags() is not None]
 
     def record(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
         """`optimizer`'s record in this iteration, made at its first call."""
