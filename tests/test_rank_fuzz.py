@@ -3,16 +3,16 @@
 A scenario is a training loop's calls, the same on every rank (the scale policy, one optimizer
 or two, their flavour, a clip over some subset of the parameters, `unscale_` first or not,
 `scaler.step` or torch.amp's own step body, or `step(closure=...)`, which reruns the batch at a
-lower scale; `verify_every`, `locate_overflow` and the underflow meter's steps; whether
-warnings are errors), and what each rank
-holds, observes, loads and lists, drawn for each rank apart: which parameters hold a gradient at
-each step and what it holds (none; finite; an inf; a NaN), whether its shard of one parameter
-is empty (FSDP2's uneven dim-0 shards), how many micro-batches it runs at each step (0: a
-pipeline stage that scales no loss there) and whether a loss of its is non-finite, the clip list
-it builds (the scenario's, or from its own gradients, as torch's `clip_grad_norm_` filters:
-MoE tokens reach other experts on each rank), a state it loads between steps (none; its current
-one; a stale one, from a step before), which observers it attaches (a stats hook, the log at
-INFO, `stats` reads, torch's private reads), and whether its hook raises at some step.
+lower scale; `verify_every`, `locate_overflow` and the underflow meter's steps; whether warnings
+are errors), and what each rank holds, observes, loads and lists, drawn for each rank apart:
+which parameters hold a gradient at each step and what it holds (none; finite; an inf; a NaN),
+whether its shard of one parameter is empty (FSDP2's uneven dim-0 shards), how many
+micro-batches it runs at each step (0: a pipeline stage that scales no loss there) and whether a
+loss of its is non-finite, the clip list it builds (the scenario's, or from its own gradients,
+as torch's `clip_grad_norm_` filters: MoE tokens reach other experts on each rank), a state it
+loads between steps (none; its current one; a stale one, from a step before), which observers it
+attaches (a stats hook, the log at INFO, `stats` reads, torch's private reads), and whether its
+hook raises at some step.
 
 Hypothesis draws the scenarios, in this process; both ranks then run all of them, on the CPU
 path and on the CUDA path through `shardscale.testing.cuda_path()`, with and without
@@ -25,9 +25,10 @@ parameter whose gradients were equal on both ranks ends equal; and nothing waits
 (a rank that is left alone raises the scaler's distributed error, which then differs from its
 peer's). A hook's own failure is the hook's: said to its rank alone, which goes on.
 
-CI runs `EXAMPLES` scenarios per path and debug level, 400 (about 40 s on 2 cores: 60 missed the
-splits of clip lists built from each rank's gradients, the first found at the 113th);
-`SHARDSCALE_RANK_FUZZ_EXAMPLES` sets another number.
+CI runs `EXAMPLES` scenarios per path and debug level, 400 (about 70 s for the four on 2 cores;
+60 once missed the splits of clip lists built from each rank's gradients, which the 113th of
+that day's draws found); `SHARDSCALE_RANK_FUZZ_EXAMPLES` sets another number. The draws are
+the same on every run (`tests.drawn`).
 """
 
 from __future__ import annotations
@@ -43,12 +44,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 from shardscale import ShardedGradScaler, ShardScaleWarning
 from shardscale.testing import cuda_path
+from tests.drawn import derandomized
 from tests.harness import run_ranks
 from tests.test_rank_symmetry import DETAIL, recorded_collectives
 
@@ -105,26 +106,6 @@ SCENARIOS = st.fixed_dictionaries(
         "ranks": st.lists(_rank_part(), min_size=2, max_size=2),
     }
 )
-
-
-def draw_scenarios(count: int) -> list[dict[str, Any]]:
-    """`count` scenarios from Hypothesis, the same on every run (derandomized)."""
-    drawn: list[dict[str, Any]] = []
-
-    @settings(
-        max_examples=count,
-        derandomize=True,
-        database=None,
-        phases=[Phase.generate],
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(SCENARIOS)
-    def collect(scenario: dict[str, Any]) -> None:
-        drawn.append(scenario)
-
-    collect()
-    return drawn[:count]
 
 
 class _Model(nn.Module):
@@ -344,7 +325,7 @@ def _rank_scenarios(rank: int, world_size: int, scenarios: list[Any], path: str)
 @pytest.mark.parametrize("debug", ["DETAIL", "off"])
 @pytest.mark.parametrize("path", ["cpu", "cuda"])
 def test_rank_fuzz_what_ranks_hold_and_observe_never_splits_them(path: str, debug: str) -> None:
-    scenarios = draw_scenarios(EXAMPLES)
+    scenarios = derandomized(SCENARIOS, EXAMPLES)
     timeout = 60 + 3 * len(scenarios)
     env = DETAIL if debug == "DETAIL" else {"TORCH_DISTRIBUTED_DEBUG": "OFF"}
     rank0, rank1 = run_ranks(_rank_scenarios, 2, scenarios, path, timeout_s=timeout, env=env)

@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 from shardscale import ShardedGradScaler, ShardScaleNonFiniteError
+from tests.drawn import derandomized
 from tests.harness import run_ranks
 
 EXAMPLES = int(os.environ.get("SHARDSCALE_DIFF_EXAMPLES", "500"))
@@ -146,26 +146,6 @@ SCENARIOS = st.fixed_dictionaries(
         "ops": st.builds(draw_calls, st.integers(0, 2**32), st.integers(12, 48)),
     }
 )
-
-
-def draw_scenarios(count: int, seed: int = 0) -> list[dict[str, Any]]:
-    """`count` scenarios from Hypothesis, the same on every run (derandomized)."""
-    drawn: list[dict[str, Any]] = []
-
-    @settings(
-        max_examples=count,
-        derandomize=True,
-        database=None,
-        phases=[Phase.generate],
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(SCENARIOS, st.just(seed))
-    def collect(scenario: dict[str, Any], _seed: int) -> None:
-        drawn.append(scenario)
-
-    collect()
-    return drawn[:count]
 
 
 def on_cuda(scenario: dict[str, Any]) -> dict[str, Any]:
@@ -479,7 +459,7 @@ def test_differential_table_rows_each_have_a_rule() -> None:
 def test_differential_against_torch_amp_grad_scaler_at_world_size_one() -> None:
     met: Counter[str] = Counter()
     ended = 0  # scenarios a documented difference ended early
-    for scenario in draw_scenarios(EXAMPLES):
+    for scenario in derandomized(SCENARIOS, EXAMPLES):
         rows = run_scenario(scenario)
         met.update(set(rows))
         ended += any(row not in CONTINUES for row in rows)
@@ -507,7 +487,7 @@ def test_differential_on_two_ranks_every_rank_equals_torch_at_world_size_one() -
     world group pickles, but its copy would be a new one on one rank only here)."""
     scenarios = [
         {**scenario, "ops": [op for op in scenario["ops"] if op[0] != "pickle"]}
-        for scenario in draw_scenarios(RANK_EXAMPLES, seed=1)
+        for scenario in derandomized(SCENARIOS, RANK_EXAMPLES)
     ]
     rank0, rank1 = run_ranks(rank_differential, 2, scenarios, timeout_s=120 + 3 * len(scenarios))
     for scenario, mine, theirs in zip(scenarios, rank0, rank1, strict=True):
