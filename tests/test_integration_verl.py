@@ -120,7 +120,7 @@ def test_verl_fsdp2_engine_every_rank_skips_and_checkpoints_the_scaler(tmp_path:
 
 
 @needs_verl
-def test_verl_fsdp2_fold_clip_costs_one_collective(tmp_path: Path) -> None:
+def test_verl_fsdp2_fold_clip_one_collective_a_step_after_the_first(tmp_path: Path) -> None:
     results = run_ranks(_rank_verl, 2, "fsdp2", str(tmp_path), "use", True, timeout_s=600)
     # the optimizer's first step after the clip checks the rest at a collective of its own (the
     # clip could not know its parameters); after, the clip's one a step
