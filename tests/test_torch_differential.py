@@ -43,6 +43,7 @@ from torch import nn
 from shardscale import ShardedGradScaler, ShardScaleNonFiniteError
 from tests.drawn import derandomized
 from tests.harness import run_ranks
+from tests.test_torch_protocol import TorchBodyScaler
 
 EXAMPLES = int(os.environ.get("SHARDSCALE_DIFF_EXAMPLES", "500"))
 RANK_EXAMPLES = int(os.environ.get("SHARDSCALE_DIFF_RANK_EXAMPLES", "60"))
@@ -68,12 +69,6 @@ CUDA_FLAVOURS = {
 }
 ON_CUDA = {"adam": "adam-capturable", "adagrad-fused": "adamw-fused-capturable"}
 BACKWARDS = ("fp32", "fp16", "fp16", "fp16-overflow", "inf", "nan", "nan-loss")
-
-
-class TorchBodyScaler(ShardedGradScaler):
-    """A subclass whose `step()` is torch's own body, as framework scalers write theirs."""
-
-    step = torch.amp.GradScaler.step  # type: ignore[assignment]
 
 
 # ---------------------------------------------------------------- scenarios
